@@ -1,0 +1,34 @@
+# Two commands on a fresh machine:
+#   make run   - install into .venv (if missing) and run the quick-start experiment
+#   make test  - install into .venv (if missing), fetch the offline datasets, run the tests
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-stamp
+FMNIST := /usr/share/datasets/fashion-mnist
+
+.PHONY: run test install data lint bench
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev]'
+	touch $(STAMP)
+
+# Fashion-MNIST comes from the Debian package (IDX files); nothing is downloaded at run time.
+data:
+	@test -d $(FMNIST) || { apt-get update -qq && apt-get install -y -qq dataset-fashion-mnist; } \
+	  || echo "warning: could not install dataset-fashion-mnist; its tests will be skipped"
+
+run: install
+	$(VENV)/bin/p2pfl run experiments/quickstart.yaml --out runs/quickstart
+
+test: install data
+	$(VENV)/bin/python -m pytest -q
+
+lint: install
+	$(VENV)/bin/ruff check p2pfl tests benchmarks
+	$(VENV)/bin/ruff format --check p2pfl tests benchmarks
+
+bench: install
+	$(PY) benchmarks/overhead.py

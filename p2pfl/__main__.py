@@ -1,0 +1,7 @@
+"""``python -m p2pfl`` is the ``p2pfl`` command."""
+
+import sys
+
+from p2pfl.cli import main
+
+sys.exit(main())

@@ -1,0 +1,16 @@
+"""The data layer: offline dataset loaders, partitioners and per-peer data."""
+
+from p2pfl.data.datasets import DATASETS, Dataset, load_dataset
+from p2pfl.data.federated import FederatedData, PeerData, make_federated_data, save_partition
+from p2pfl.data.partition import PARTITIONERS
+
+__all__ = [
+    "DATASETS",
+    "PARTITIONERS",
+    "Dataset",
+    "FederatedData",
+    "PeerData",
+    "load_dataset",
+    "make_federated_data",
+    "save_partition",
+]

@@ -1,0 +1,328 @@
+"""Dataset loaders: offline only, from files already on disk, cached per process.
+
+Each loader is registered in :data:`DATASETS` and its keyword arguments are the keys of the
+YAML ``dataset:`` section. Loaders read the raw on-disk formats themselves (IDX, the CIFAR
+python pickles, the SVHN ``.mat`` files), laid out as torchvision expects, because
+torchvision's classes insist on the md5 of the official archives and may try to download.
+scikit-learn and scipy are imported only by the loaders that need them (import time).
+"""
+
+from __future__ import annotations
+
+import functools
+import gzip
+import math
+import pickle
+import struct
+import zlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from p2pfl.errors import ConfigError
+from p2pfl.options import Registry, bind_with_common
+
+DATASETS: Registry[Callable[..., Dataset]] = Registry("dataset")
+
+DEBIAN_FASHION_MNIST = Path("/usr/share/datasets/fashion-mnist")
+"""Where the Debian package ``dataset-fashion-mnist`` installs its IDX files."""
+
+_SUBSET_TAG = 1  # mixes into the run seed so the subset draw is its own random stream
+_TEST_SUBSET_SEED = 0  # the test subset ignores the run seed: every seed sees the same test set
+
+Arrays = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
+"""Raw ``(train_x, train_y, test_x, test_y)``: images integer ``[n, C, H, W]``, labels int64."""
+
+
+@dataclass
+class Dataset:
+    """A normalised image classification dataset held in memory."""
+
+    name: str
+    train_x: torch.Tensor  # float32 [n, C, H, W], normalised
+    train_y: torch.Tensor  # int64 [n]
+    test_x: torch.Tensor
+    test_y: torch.Tensor
+    num_classes: int
+
+    @property
+    def input_shape(self) -> tuple[int, int, int]:
+        c, h, w = self.train_x.shape[1:]
+        return (c, h, w)
+
+
+def load_dataset(options: dict[str, Any], seed: int) -> Dataset:
+    """Load the dataset described by the YAML ``dataset:`` mapping (``name`` included).
+
+    Besides the loader's own keys every dataset takes ``subset`` and ``test_subset``
+    (see :func:`take_subsets`). Error keys are relative to the ``dataset`` section.
+    """
+    if "name" not in options:
+        raise ConfigError("name", "missing required key")
+    rest = {k: v for k, v in options.items() if k != "name"}
+    loader = DATASETS.get(options["name"])
+    kwargs, common = bind_with_common(loader, take_subsets, rest, common_skip=2)
+    return take_subsets(loader(**kwargs), seed, **common)
+
+
+def take_subsets(
+    data: Dataset, seed: int, *, subset: int | None = None, test_subset: int | None = None
+) -> Dataset:
+    """Keep a random ``subset`` of the train set (seeded by the run seed) and a random
+    ``test_subset`` of the test set (fixed, so every seed is scored on the same images)."""
+    train = _pick(len(data.train_y), subset, "subset", [seed, _SUBSET_TAG])
+    test = _pick(len(data.test_y), test_subset, "test_subset", [_TEST_SUBSET_SEED])
+    return Dataset(
+        data.name,
+        data.train_x[train],
+        data.train_y[train],
+        data.test_x[test],
+        data.test_y[test],
+        data.num_classes,
+    )
+
+
+def _pick(n: int, size: int | None, key: str, entropy: list[int]) -> slice | torch.Tensor:
+    """Sorted random indices of ``size`` out of ``n``, or everything when ``size`` is None."""
+    if size is None:
+        return slice(None)
+    if not 1 <= size <= n:
+        raise ConfigError(key, f"must be between 1 and the {n} samples available, got {size}")
+    rng = np.random.default_rng(np.random.SeedSequence(entropy))
+    return torch.from_numpy(np.sort(rng.choice(n, size, replace=False)))
+
+
+def _to_dataset(
+    name: str, arrays: Arrays, scale: float, mean: Sequence[float], std: Sequence[float]
+) -> Dataset:
+    """Scale integer images to [0, 1] and normalise each channel with ``mean``/``std``."""
+    m = torch.tensor(mean, dtype=torch.float32).view(1, -1, 1, 1)
+    s = torch.tensor(std, dtype=torch.float32).view(1, -1, 1, 1)
+
+    def images(x: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(x.astype(np.float32)).div_(scale).sub_(m).div_(s)
+
+    train_x, train_y, test_x, test_y = arrays
+    return Dataset(
+        name,
+        images(train_x),
+        torch.from_numpy(train_y.astype(np.int64)),
+        images(test_x),
+        torch.from_numpy(test_y.astype(np.int64)),
+        num_classes=10,
+    )
+
+
+def _frozen(*arrays: np.ndarray) -> Arrays:
+    """Make cached arrays read-only so no caller can corrupt the cache."""
+    for a in arrays:
+        a.flags.writeable = False
+    train_x, train_y, test_x, test_y = arrays
+    return train_x, train_y, test_x, test_y
+
+
+# --- digits ---------------------------------------------------------------------------
+
+
+@DATASETS.register("digits")
+def digits() -> Dataset:
+    """scikit-learn's 8x8 digits, 1437 train / 360 test (fixed stratified split)."""
+    arrays = _read_digits()
+    pixels = arrays[0] / 16.0
+    return _to_dataset("digits", arrays, 16.0, [float(pixels.mean())], [float(pixels.std())])
+
+
+@functools.cache
+def _read_digits() -> Arrays:
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    x, y = load_digits(return_X_y=True)
+    x = x.astype(np.uint8).reshape(-1, 1, 8, 8)
+    # random_state is fixed, not the run seed: the test set must never change.
+    train_x, test_x, train_y, test_y = train_test_split(
+        x, y, test_size=360, stratify=y, random_state=0
+    )
+    return _frozen(train_x, train_y.astype(np.int64), test_x, test_y.astype(np.int64))
+
+
+# --- IDX: MNIST, Fashion-MNIST ----------------------------------------------------------
+
+_IDX_DTYPES = {0x08: "u1", 0x09: "i1", 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 0x0E: ">f8"}
+_IDX_FILES = (
+    "train-images-idx3-ubyte",
+    "train-labels-idx1-ubyte",
+    "t10k-images-idx3-ubyte",
+    "t10k-labels-idx1-ubyte",
+)
+
+
+def read_idx(path: Path) -> np.ndarray:
+    """Read one IDX file, gzipped or plain; a corrupt or truncated one is a ConfigError."""
+    try:
+        raw = path.read_bytes()
+        if raw[:2] == b"\x1f\x8b":
+            raw = gzip.decompress(raw)
+    except (OSError, EOFError, zlib.error) as e:
+        raise ConfigError("root", f"cannot read {path}: {e}") from None
+    if len(raw) < 4 or raw[:2] != b"\0\0" or raw[2] not in _IDX_DTYPES:
+        raise ConfigError("root", f"{path} is not an IDX file (magic number {raw[:4].hex()})")
+    header = 4 + 4 * raw[3]
+    if len(raw) < header:
+        raise ConfigError("root", f"{path} is truncated (incomplete IDX header)")
+    dims = struct.unpack(f">{raw[3]}I", raw[4:header])
+    dtype = np.dtype(_IDX_DTYPES[raw[2]])
+    expected = header + math.prod(dims) * dtype.itemsize
+    if len(raw) != expected:
+        raise ConfigError(
+            "root",
+            f"{path} is truncated or corrupt: {len(raw)} bytes, expected {expected} "
+            f"for shape {list(dims)}",
+        )
+    return np.frombuffer(raw, dtype, offset=header).reshape(dims)
+
+
+def _find_idx_files(dirs: list[Path], what: str) -> list[Path]:
+    """The four IDX files (each plain or ``.gz``) from the first directory holding all four."""
+    for d in dirs:
+        found = [_first_file(d / f, d / f"{f}.gz") for f in _IDX_FILES]
+        if all(found):
+            return [p for p in found if p is not None]
+    raise ConfigError(
+        "root",
+        f"{what} not found: expected files {', '.join(_IDX_FILES)} (each may end in .gz) "
+        f"under {' or '.join(str(d) for d in dirs)} (p2pfl never downloads)",
+    )
+
+
+def _first_file(*paths: Path) -> Path | None:
+    return next((p for p in paths if p.is_file()), None)
+
+
+@functools.cache
+def _read_idx_dataset(dirs: tuple[Path, ...], what: str) -> Arrays:
+    files = _find_idx_files(list(dirs), what)
+    train_x, train_y, test_x, test_y = (read_idx(p) for p in files)
+    for x, y, p in ((train_x, train_y, files[0]), (test_x, test_y, files[2])):
+        if x.ndim != 3 or y.ndim != 1 or len(x) != len(y) or x.dtype != np.uint8:
+            raise ConfigError(
+                "root",
+                f"{p.parent}: {what} IDX files must hold uint8 images [n, H, W] and n labels, "
+                f"got images {x.dtype} {list(x.shape)} and labels {list(y.shape)}",
+            )
+        if y.size and not 0 <= int(y.min()) <= int(y.max()) < 10:
+            raise ConfigError("root", f"{p.parent}: {what} labels must be in 0..9")
+    return _frozen(
+        train_x[:, None], train_y.astype(np.int64), test_x[:, None], test_y.astype(np.int64)
+    )
+
+
+@DATASETS.register("fashion_mnist")
+def fashion_mnist(*, root: str | None = None) -> Dataset:
+    """Fashion-MNIST from IDX files: by default the Debian package ``dataset-fashion-mnist``
+    (/usr/share/datasets/fashion-mnist); ``root`` may be a directory of the IDX files or a
+    torchvision root (``root/FashionMNIST/raw``)."""
+    if root is None:
+        dirs: tuple[Path, ...] = (DEBIAN_FASHION_MNIST,)
+        what = "Fashion-MNIST (install the Debian package dataset-fashion-mnist or set root)"
+    else:
+        base = Path(root).expanduser()
+        dirs, what = (base, base / "FashionMNIST" / "raw"), "Fashion-MNIST"
+    return _to_dataset("fashion_mnist", _read_idx_dataset(dirs, what), 255.0, [0.2860], [0.3530])
+
+
+@DATASETS.register("mnist")
+def mnist(*, root: str) -> Dataset:
+    """MNIST from a torchvision root (``root/MNIST/raw``) or a directory of its IDX files."""
+    base = Path(root).expanduser()
+    arrays = _read_idx_dataset((base / "MNIST" / "raw", base), "MNIST")
+    return _to_dataset("mnist", arrays, 255.0, [0.1307], [0.3081])
+
+
+# --- CIFAR-10 ---------------------------------------------------------------------------
+
+_CIFAR_TRAIN = tuple(f"data_batch_{i}" for i in range(1, 6))
+
+
+@DATASETS.register("cifar10")
+def cifar10(*, root: str) -> Dataset:
+    """CIFAR-10 from torchvision's layout: the python pickle batches in
+    ``root/cifar-10-batches-py`` (or in ``root`` itself)."""
+    base = Path(root).expanduser()
+    arrays = _read_cifar10((base / "cifar-10-batches-py", base))
+    return _to_dataset("cifar10", arrays, 255.0, [0.4914, 0.4822, 0.4465], [0.2470, 0.2435, 0.2616])
+
+
+@functools.cache
+def _read_cifar10(dirs: tuple[Path, ...]) -> Arrays:
+    names = (*_CIFAR_TRAIN, "test_batch")
+    found = next((d for d in dirs if all((d / n).is_file() for n in names)), None)
+    if found is None:
+        raise ConfigError(
+            "root",
+            f"CIFAR-10 not found: expected files {', '.join(names)} under "
+            f"{' or '.join(str(d) for d in dirs)} (p2pfl never downloads)",
+        )
+    train = [_read_cifar_batch(found / n) for n in _CIFAR_TRAIN]
+    test_x, test_y = _read_cifar_batch(found / "test_batch")
+    train_x = np.concatenate([x for x, _ in train])
+    train_y = np.concatenate([y for _, y in train])
+    return _frozen(train_x, train_y, test_x, test_y)
+
+
+def _read_cifar_batch(path: Path) -> tuple[np.ndarray, np.ndarray]:
+    """One CIFAR pickle batch (trusted input, as in torchvision): ``data`` uint8
+    ``[n, 3072]`` and ``labels``."""
+    try:
+        with path.open("rb") as f:
+            entry = pickle.load(f, encoding="latin1")
+        x = np.asarray(entry["data"], dtype=np.uint8).reshape(-1, 3, 32, 32)
+        y = np.asarray(entry["labels"], dtype=np.int64)
+    except Exception as e:  # a bad pickle can raise almost anything
+        raise ConfigError("root", f"{path} is not a CIFAR-10 batch: {e!r}") from None
+    if len(x) != len(y) or (y.size and not 0 <= y.min() <= y.max() < 10):
+        raise ConfigError("root", f"{path}: CIFAR-10 batch has bad labels")
+    return x, y
+
+
+# --- SVHN -------------------------------------------------------------------------------
+
+
+@DATASETS.register("svhn")
+def svhn(*, root: str) -> Dataset:
+    """SVHN cropped digits: ``train_32x32.mat`` and ``test_32x32.mat`` in ``root`` (as
+    torchvision's SVHN keeps them); label 10 (digit 0) becomes 0."""
+    arrays = _read_svhn(Path(root).expanduser())
+    return _to_dataset("svhn", arrays, 255.0, [0.4377, 0.4438, 0.4728], [0.1980, 0.2010, 0.1970])
+
+
+@functools.cache
+def _read_svhn(root: Path) -> Arrays:
+    paths = [root / "train_32x32.mat", root / "test_32x32.mat"]
+    if not all(p.is_file() for p in paths):
+        raise ConfigError(
+            "root",
+            f"SVHN not found: expected files train_32x32.mat, test_32x32.mat under {root} "
+            "(p2pfl never downloads)",
+        )
+    (train_x, train_y), (test_x, test_y) = (_read_svhn_mat(p) for p in paths)
+    return _frozen(train_x, train_y, test_x, test_y)
+
+
+def _read_svhn_mat(path: Path) -> tuple[np.ndarray, np.ndarray]:
+    """``X`` is uint8 ``[H, W, C, n]``, ``y`` holds labels 1..10 with 10 meaning digit 0."""
+    import scipy.io
+
+    try:
+        mat = scipy.io.loadmat(path)
+        x = np.ascontiguousarray(np.asarray(mat["X"], dtype=np.uint8).transpose(3, 2, 0, 1))
+        y = np.asarray(mat["y"], dtype=np.int64).reshape(-1)
+    except Exception as e:  # scipy raises many types for a bad file
+        raise ConfigError("root", f"{path} is not an SVHN .mat file: {e!r}") from None
+    if len(x) != len(y) or (y.size and not 1 <= y.min() <= y.max() <= 10):
+        raise ConfigError("root", f"{path}: SVHN labels must be 1..10, one per image")
+    return x, y % 10

@@ -1,0 +1,152 @@
+"""Turn a dataset and a ``partition:`` section into per-peer train/validation data.
+
+torchvision and matplotlib are imported only where used, to keep ``import p2pfl`` fast.
+"""
+
+from __future__ import annotations
+
+import csv
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from p2pfl.data.datasets import Dataset
+from p2pfl.data.partition import PARTITIONERS, rotations
+from p2pfl.errors import ConfigError
+from p2pfl.options import bind_with_common
+
+_PARTITION_TAG = 2  # mixes into the run seed so the partition is its own random stream
+_ANNOTATE_MAX_CELLS = 400  # heat-map cells beyond which counts are not written in
+
+
+@dataclass
+class PeerData:
+    """One peer's local data: a train split and a held-out validation split."""
+
+    train_x: torch.Tensor
+    train_y: torch.Tensor
+    val_x: torch.Tensor
+    val_y: torch.Tensor
+
+    @property
+    def num_train(self) -> int:
+        return len(self.train_y)
+
+
+@dataclass
+class FederatedData:
+    """All peers' data plus the global test set."""
+
+    peers: list[PeerData]
+    test_x: torch.Tensor
+    test_y: torch.Tensor
+    num_classes: int
+    input_shape: tuple[int, int, int]
+    counts: np.ndarray  # [num_peers, num_classes]: train + val samples per peer and class
+
+
+def validation_size(n: int, *, val_fraction: float = 0.1) -> int:
+    """How many of a peer's ``n`` samples are held out: ``val_fraction`` of them, at least
+    one when ``val_fraction`` > 0 and the peer has two or more."""
+    if not 0 <= val_fraction < 1:
+        raise ConfigError("val_fraction", f"must be in [0, 1), got {val_fraction}")
+    if val_fraction == 0 or n < 2:
+        return 0
+    return max(1, int(val_fraction * n + 1e-9))
+
+
+def make_federated_data(
+    dataset: Dataset, partition_options: dict[str, Any], num_peers: int, seed: int
+) -> FederatedData:
+    """Split ``dataset``'s train set among ``num_peers`` peers as the YAML ``partition:``
+    mapping (``name`` included) says.
+
+    The split is seeded by ``seed`` (same seed, same split). Each peer's validation set is
+    the first ``val_fraction`` of its shuffled indices, as in the FedELMY code. For domain
+    shift each peer's data is rotated by its angle (``torch.rot90`` for multiples of 90°,
+    exact), and the test set is the union of the test set under every peer angle (each
+    distinct angle once). Error keys stay relative to the ``partition`` section, except
+    ``count`` which refers to the number of peers.
+    """
+    if "name" not in partition_options:
+        raise ConfigError("name", "missing required key")
+    name = partition_options["name"]
+    rest = {k: v for k, v in partition_options.items() if k != "name"}
+    fn = PARTITIONERS.get(name)
+    kwargs, common = bind_with_common(fn, validation_size, rest, skip=3, common_skip=1)
+    validation_size(0, **common)  # reject a bad val_fraction before splitting
+
+    labels = dataset.train_y.numpy()
+    rng = np.random.default_rng(np.random.SeedSequence([seed, _PARTITION_TAG]))
+    parts = fn(labels, num_peers, rng, **kwargs)
+    angles = rotations(name, num_peers, kwargs) or [0.0] * num_peers
+    fill = dataset.train_x.amin(dim=(0, 2, 3)).tolist()  # the darkest value per channel
+
+    peers = []
+    for i, (idx, angle) in enumerate(zip(parts, angles, strict=True)):
+        if len(idx) == 0:
+            raise ConfigError("", f"peer {i} got no training samples; use fewer peers")
+        n_val = validation_size(len(idx), **common)
+        x = rotate(dataset.train_x[torch.from_numpy(idx)], angle, fill)
+        y = dataset.train_y[torch.from_numpy(idx)]
+        peers.append(PeerData(x[n_val:], y[n_val:], x[:n_val], y[:n_val]))
+
+    domains = list(dict.fromkeys(angles))
+    counts = np.stack([np.bincount(labels[p], minlength=dataset.num_classes) for p in parts])
+    return FederatedData(
+        peers=peers,
+        test_x=torch.cat([rotate(dataset.test_x, a, fill) for a in domains]),
+        test_y=dataset.test_y.repeat(len(domains)),
+        num_classes=dataset.num_classes,
+        input_shape=dataset.input_shape,
+        counts=counts,
+    )
+
+
+def rotate(x: torch.Tensor, angle: float, fill: list[float]) -> torch.Tensor:
+    """Rotate images ``[n, C, H, W]`` counter-clockwise by ``angle`` degrees: exactly with
+    ``rot90`` for square images and multiples of 90°, else bilinearly with corners set to
+    ``fill``."""
+    if angle % 360 == 0:
+        return x
+    if angle % 90 == 0 and x.shape[-1] == x.shape[-2]:
+        return torch.rot90(x, int(angle // 90) % 4, dims=(2, 3)).contiguous()
+    import torchvision.transforms.functional as TF
+
+    return TF.rotate(x, angle, interpolation=TF.InterpolationMode.BILINEAR, fill=fill)
+
+
+def save_partition(data: FederatedData, out_dir: Path) -> None:
+    """Write ``partition.csv`` (per-peer class counts and totals) and ``partition.png`` (a
+    peers x classes heat-map) to ``out_dir``."""
+    from matplotlib.figure import Figure  # renders with Agg, no pyplot state
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    counts = data.counts
+    with (out_dir / "partition.csv").open("w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["peer", *(f"class_{c}" for c in range(counts.shape[1])), "total"])
+        for i, row in enumerate(counts):
+            writer.writerow([i, *row.tolist(), int(row.sum())])
+
+    peers, classes = counts.shape
+    fig = Figure(figsize=(1.5 + 0.5 * classes, 1.2 + 0.4 * peers), layout="constrained")
+    ax = fig.add_subplot()
+    image = ax.imshow(counts, cmap="viridis", aspect="auto")
+    fig.colorbar(image, ax=ax, label="samples")
+    ax.set(
+        title=f"Samples per peer and class ({peers} peers, {int(counts.sum())} samples)",
+        xlabel="class",
+        ylabel="peer",
+        xticks=range(classes),
+        yticks=range(peers),
+    )
+    if counts.size <= _ANNOTATE_MAX_CELLS:
+        threshold = counts.max() / 2
+        for (i, c), v in np.ndenumerate(counts):
+            color = "black" if v > threshold else "white"
+            ax.text(c, i, str(v), ha="center", va="center", fontsize=7, color=color)
+    fig.savefig(out_dir / "partition.png", dpi=100)

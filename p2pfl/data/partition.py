@@ -1,0 +1,176 @@
+"""Partitioners: split a train set's indices among peers.
+
+Each partitioner is ``fn(labels, num_peers, rng, *, <keys>) -> list[np.ndarray]``: one
+shuffled index array per peer into the train set. Its keyword arguments are the YAML keys
+of the ``partition:`` section. Errors name keys relative to that section.
+
+Domain shift (``domain``) splits labels IID; :func:`rotations` tells the caller which
+rotation each peer's data gets, so partitioners stay plain index splitters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from p2pfl.errors import ConfigError
+from p2pfl.options import Registry
+
+Partitioner = Callable[..., list[np.ndarray]]
+PARTITIONERS: Registry[Partitioner] = Registry("partition")
+
+
+def _check_peers(labels: np.ndarray, num_peers: int) -> None:
+    if num_peers < 1:
+        raise ConfigError("count", f"need at least 1 peer, got {num_peers}")
+    if num_peers > len(labels):
+        raise ConfigError(
+            "count",
+            f"{num_peers} peers but the train set has only {len(labels)} samples; "
+            "use fewer peers or more data",
+        )
+
+
+@PARTITIONERS.register("iid")
+def iid(labels: np.ndarray, num_peers: int, rng: np.random.Generator) -> list[np.ndarray]:
+    """Shuffle all samples and split them into near-equal parts."""
+    _check_peers(labels, num_peers)
+    return np.array_split(rng.permutation(len(labels)), num_peers)
+
+
+@PARTITIONERS.register("dirichlet")
+def dirichlet(
+    labels: np.ndarray,
+    num_peers: int,
+    rng: np.random.Generator,
+    *,
+    alpha: float = 0.5,
+    min_size: int = 10,
+    max_tries: int = 100,
+) -> list[np.ndarray]:
+    """Label skew as in the FedELMY code: per class draw p ~ Dir(alpha), give nothing more
+    to peers already holding >= n/N samples, and cut the class's shuffled indices by
+    cumsum(p). Redraw everything until each peer has >= ``min_size`` samples, at most
+    ``max_tries`` times.
+
+    If every eligible peer draws exactly 0 (possible for tiny alpha), the class is spread
+    uniformly over the eligible peers instead of dividing by zero.
+    """
+    _check_peers(labels, num_peers)
+    n = len(labels)
+    if alpha <= 0:
+        raise ConfigError("alpha", f"must be > 0, got {alpha}")
+    if min_size < 0:
+        raise ConfigError("min_size", f"must be >= 0, got {min_size}")
+    if num_peers * min_size > n:
+        raise ConfigError(
+            "min_size",
+            f"{num_peers} peers x min_size {min_size} needs {num_peers * min_size} samples "
+            f"but the train set has {n}",
+        )
+    if max_tries < 1:
+        raise ConfigError("max_tries", f"must be >= 1, got {max_tries}")
+    smallest = 0
+    for _ in range(max_tries):
+        parts: list[list[np.ndarray]] = [[] for _ in range(num_peers)]
+        sizes = np.zeros(num_peers, dtype=np.int64)
+        for k in np.unique(labels):
+            idx = rng.permutation(np.flatnonzero(labels == k))
+            p = rng.dirichlet(np.full(num_peers, alpha)) * (sizes < n / num_peers)
+            if p.sum() == 0:
+                p = (sizes < n / num_peers).astype(float)
+            cuts = (np.cumsum(p / p.sum()) * len(idx)).astype(int)[:-1]
+            for j, chunk in enumerate(np.split(idx, cuts)):
+                parts[j].append(chunk)
+                sizes[j] += len(chunk)
+        smallest = int(sizes.min())
+        if smallest >= min_size:
+            return [rng.permutation(np.concatenate(part)) for part in parts]
+    raise ConfigError(
+        "min_size",
+        f"could not give every peer >= {min_size} samples after {max_tries} tries "
+        f"(smallest peer got {smallest}); lower min_size or raise alpha",
+    )
+
+
+@PARTITIONERS.register("shards")
+def shards(
+    labels: np.ndarray,
+    num_peers: int,
+    rng: np.random.Generator,
+    *,
+    classes_per_peer: int = 2,
+) -> list[np.ndarray]:
+    """Each peer holds ``classes_per_peer`` classes, taken round-robin from a shuffled class
+    order (so every class is used when peers x classes_per_peer >= classes); each class's
+    samples are split evenly among the peers holding it."""
+    _check_peers(labels, num_peers)
+    classes = np.unique(labels)
+    if not 1 <= classes_per_peer <= len(classes):
+        raise ConfigError(
+            "classes_per_peer",
+            f"must be between 1 and the {len(classes)} classes, got {classes_per_peer}",
+        )
+    order = rng.permutation(classes)
+    held = [
+        order[(np.arange(classes_per_peer) + i * classes_per_peer) % len(classes)]
+        for i in range(num_peers)
+    ]
+    parts: list[list[np.ndarray]] = [[] for _ in range(num_peers)]
+    for k in classes:
+        holders = [i for i in range(num_peers) if k in held[i]]
+        idx = rng.permutation(np.flatnonzero(labels == k))
+        for i, chunk in zip(holders, np.array_split(idx, max(len(holders), 1)), strict=False):
+            parts[i].append(chunk)
+    return [rng.permutation(np.concatenate(part)) for part in parts]
+
+
+@PARTITIONERS.register("disjoint")
+def disjoint(labels: np.ndarray, num_peers: int, rng: np.random.Generator) -> list[np.ndarray]:
+    """Shuffle the classes into ``num_peers`` disjoint near-equal groups; each peer gets all
+    samples of its group's classes."""
+    _check_peers(labels, num_peers)
+    classes = np.unique(labels)
+    if num_peers > len(classes):
+        raise ConfigError(
+            "name",
+            f"disjoint needs at most one peer per class: {num_peers} peers, {len(classes)} classes",
+        )
+    groups = np.array_split(rng.permutation(classes), num_peers)
+    return [rng.permutation(np.flatnonzero(np.isin(labels, g))) for g in groups]
+
+
+@PARTITIONERS.register("domain")
+def domain(
+    labels: np.ndarray,
+    num_peers: int,
+    rng: np.random.Generator,
+    *,
+    angles: tuple[float, ...] = (0.0, 15.0, 30.0, 45.0),
+    samples_per_peer: int | None = None,
+) -> list[np.ndarray]:
+    """Domain shift: disjoint IID samples per peer (``samples_per_peer`` each, default
+    n // num_peers); peer i's data is rotated by ``angles[i % len(angles)]`` degrees, which
+    the caller applies using :func:`rotations`."""
+    _check_peers(labels, num_peers)
+    if not angles:
+        raise ConfigError("angles", "must list at least one angle")
+    size = len(labels) // num_peers if samples_per_peer is None else samples_per_peer
+    if size < 1 or size * num_peers > len(labels):
+        raise ConfigError(
+            "samples_per_peer",
+            f"{num_peers} peers x {size} samples does not fit the {len(labels)} train samples",
+        )
+    perm = rng.permutation(len(labels))
+    return [perm[i * size : (i + 1) * size] for i in range(num_peers)]
+
+
+def rotations(name: str, num_peers: int, options: dict[str, Any]) -> list[float] | None:
+    """Each peer's rotation in degrees for the ``domain`` partitioner (``options`` are its
+    bound keys); None for partitioners without domain shift."""
+    if name != "domain":
+        return None
+    angles = options["angles"]
+    return [float(angles[i % len(angles)]) for i in range(num_peers)]

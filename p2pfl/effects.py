@@ -1,0 +1,101 @@
+"""The effects a peer behaviour yields; a runtime carries them out and sends back the result.
+
+A method is the behaviour of one node, written as a generator::
+
+    def behaviour(ctx):
+        (msg,) = yield Recv(kinds=("model",))            # -> list[Message], sorted by sender
+        result = yield Train(msg.tensors, round=msg.round)  # -> TrainResult
+        yield Send(ctx.server, "model", msg.round, result.state)
+        yield Finish(result.state)
+
+It never touches clocks, sockets or SimPy, so the same code runs simulated or over ZeroMQ.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Generator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from p2pfl.wire import Meta
+
+State = dict[str, torch.Tensor]
+# Extra loss term: ``regularizer(module, ce)`` is added to the cross-entropy ``ce``.
+Regularizer = Callable[[nn.Module, torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Send:
+    """Send ``tensors`` to neighbour ``dst``; returns at once (the uplink queues the transfer)."""
+
+    dst: int
+    kind: str
+    round: int
+    tensors: State
+    meta: Meta = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Recv:
+    """Wait for ``count`` messages of one of ``kinds`` (and ``round``/``src`` if given).
+
+    Returns them as a list sorted by sender, then by arrival, so the order never depends
+    on timing.
+    """
+
+    kinds: tuple[str, ...] = ("model",)
+    count: int = 1
+    round: int | None = None
+    src: int | None = None
+
+
+@dataclass(frozen=True)
+class Train:
+    """Train a copy of ``state`` on this peer's data; returns a ``TrainResult``.
+
+    ``tag`` names the random stream for batch order (with the peer and round), so two
+    trainings in one round can draw different orders. ``overrides`` replaces keys of the
+    experiment's ``train:`` section for this call.
+    """
+
+    state: State
+    round: int
+    tag: str = ""
+    regularizer: Regularizer | None = None
+    overrides: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Evaluate:
+    """Score ``state`` on the global test set and log accuracy and loss; returns ``(acc, loss)``."""
+
+    state: State
+    round: int
+
+
+@dataclass(frozen=True)
+class Log:
+    """Write one metric row for this node."""
+
+    round: int
+    metric: str
+    value: float
+
+
+@dataclass(frozen=True)
+class Finish:
+    """Declare this node's final model (``None`` if it holds none).
+
+    ``output=True`` marks the run's result (the server's model, the chain's last peer).
+    Where no node claims it, the result is the uniform mean of the peers' final models.
+    """
+
+    state: State | None
+    output: bool = False
+
+
+Effect = Send | Recv | Train | Evaluate | Log | Finish
+Behaviour = Generator[Effect, Any, None]

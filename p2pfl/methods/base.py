@@ -1,0 +1,66 @@
+"""The method interface: what every federated-learning method provides.
+
+A method's constructor keywords are its ``algorithm:`` YAML keys (with type hints and
+defaults). ``behaviour(ctx)`` is the generator one node runs (see :mod:`p2pfl.effects`);
+the same object serves every node, so it must keep no per-node state on ``self``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import ClassVar
+
+from p2pfl.effects import Behaviour, State
+from p2pfl.errors import ConfigError
+from p2pfl.topology import Topology
+
+
+@dataclass(frozen=True)
+class NodeContext:
+    """What one node knows: who it is, its neighbours, its data size, the shared init."""
+
+    node: int
+    topology: Topology
+    num_samples: int
+    seed: int
+    init_state: Callable[[], State]
+
+    @property
+    def neighbours(self) -> list[int]:
+        return self.topology.neighbours(self.node)
+
+    @property
+    def server(self) -> int | None:
+        return self.topology.server
+
+    @property
+    def peers(self) -> list[int]:
+        return self.topology.peers
+
+    @property
+    def is_server(self) -> bool:
+        return self.node == self.topology.server
+
+
+class Method:
+    """Base class; subclasses set ``name``, ``topologies`` and write ``behaviour``."""
+
+    name: ClassVar[str]
+    #: topology kinds the method runs on; empty means any connected graph.
+    topologies: ClassVar[tuple[str, ...]] = ()
+
+    def check(self, topology: Topology, seed: int) -> None:
+        """Raise ``ConfigError`` (key ``kind``) if the method cannot run on ``topology``."""
+        if self.topologies and topology.kind not in self.topologies:
+            raise ConfigError(
+                "kind",
+                f"{self.name} runs on {' or '.join(self.topologies)}, not on {topology.kind!r}",
+            )
+
+    def rounds(self, num_peers: int) -> int:
+        """How many rounds the run logs (drives the progress bar and the last evaluation)."""
+        raise NotImplementedError
+
+    def behaviour(self, ctx: NodeContext) -> Behaviour:
+        raise NotImplementedError

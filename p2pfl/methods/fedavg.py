@@ -1,0 +1,91 @@
+"""FedAvg (McMahan et al., 2017) on a star: a server samples peers, they train, it averages.
+
+Each round the server sends the global model to K = max(1, round(participation * N))
+peers drawn from the round's seeded stream, each trains ``train.epochs`` and sends its
+model back, and the server takes their sample-weighted mean. One round moves 2·K·M model
+bytes. ``rounds: 1`` with ``participation: 1`` is one-shot FedAvg. At the end the server
+tells every peer to stop (one small ``control`` message each).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from p2pfl.effects import Behaviour, Evaluate, Finish, Recv, Send, State, Train
+from p2pfl.errors import ConfigError
+from p2pfl.methods import METHODS
+from p2pfl.methods.base import Method, NodeContext
+from p2pfl.models import average_states
+from p2pfl.seeding import numpy_rng
+
+
+@METHODS.register("fedavg")
+class FedAvg(Method):
+    """Server-side averaging of locally trained models, with partial participation."""
+
+    name = "fedavg"
+    topologies = ("star",)
+
+    def __init__(
+        self,
+        *,
+        rounds: int = 20,
+        participation: float = 1.0,
+        weighting: Literal["samples", "uniform"] = "samples",
+    ) -> None:
+        if rounds < 1:
+            raise ConfigError("rounds", "must be >= 1")
+        if not 0 < participation <= 1:
+            raise ConfigError("participation", "must be in (0, 1]")
+        self.num_rounds = rounds
+        self.participation = participation
+        self.weighting = weighting
+
+    def rounds(self, num_peers: int) -> int:
+        return self.num_rounds
+
+    def sample(self, ctx: NodeContext, round: int) -> list[int]:
+        """The peers taking part in ``round`` (seeded, sorted)."""
+        k = max(1, round_half(self.participation * len(ctx.peers)))
+        chosen = numpy_rng(ctx.seed, "participation", round).choice(ctx.peers, k, replace=False)
+        return sorted(int(p) for p in chosen)
+
+    def behaviour(self, ctx: NodeContext) -> Behaviour:
+        return self.server(ctx) if ctx.is_server else self.client(ctx)
+
+    def server(self, ctx: NodeContext) -> Behaviour:
+        state = ctx.init_state()
+        for r in range(1, self.num_rounds + 1):
+            chosen = self.sample(ctx, r)
+            for p in chosen:
+                yield Send(p, "model", r, state)
+            replies = yield Recv(count=len(chosen), round=r)
+            state = self.aggregate(state, replies)
+            yield Evaluate(state, r)
+        for p in ctx.peers:
+            yield Send(p, "control", self.num_rounds, {}, {"stop": True})
+        yield Finish(state, output=True)
+
+    def aggregate(self, state: State, replies: list) -> State:
+        weights = [m.meta["num_samples"] if self.weighting == "samples" else 1 for m in replies]
+        return average_states([m.tensors for m in replies], weights)
+
+    def client(self, ctx: NodeContext) -> Behaviour:
+        held = ctx.init_state()
+        while True:
+            (msg,) = yield Recv(kinds=("model", "control"))
+            if msg.kind == "control":
+                break
+            result = yield self.local_train(msg.tensors, msg.round)
+            held = result.state
+            yield Send(msg.src, "model", msg.round, held, {"num_samples": ctx.num_samples})
+        yield Finish(held)
+
+    def local_train(self, state: State, round: int) -> Train:
+        """The local training step (FedProx adds its proximal term here)."""
+        return Train(state, round)
+
+
+def round_half(x: float) -> int:
+    """Round half up (Python's round() rounds half to even)."""
+    return int(x + 0.5)

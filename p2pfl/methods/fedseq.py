@@ -1,0 +1,78 @@
+"""FedSeq (sequential FedAvg): each peer trains what it received and passes it on.
+
+Peers form a chain in ``order`` (index order, or a seeded permutation); peer 1 starts from
+the shared init. One cycle moves N−1 models; with ``cycles: T`` the last peer sends back to
+the first and the chain repeats, T·N−1 models in all. The output is the last peer's model.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from p2pfl.effects import Behaviour, Evaluate, Finish, Recv, Send, State, Train
+from p2pfl.errors import ConfigError
+from p2pfl.methods import METHODS
+from p2pfl.methods.base import Method, NodeContext
+from p2pfl.seeding import numpy_rng
+from p2pfl.topology import Topology
+
+
+@METHODS.register("fedseq")
+class FedSeq(Method):
+    """Sequential training along a chain of peers (one or more cycles)."""
+
+    name = "fedseq"
+
+    def __init__(self, *, cycles: int = 1, order: Literal["index", "random"] = "index") -> None:
+        if cycles < 1:
+            raise ConfigError("cycles", "must be >= 1")
+        self.cycles = cycles
+        self.order = order
+
+    def chain(self, peers: list[int], seed: int) -> list[int]:
+        """The visiting order of the peers."""
+        if self.order == "index":
+            return list(peers)
+        return [int(p) for p in numpy_rng(seed, "chain-order").permutation(peers)]
+
+    def check(self, topology: Topology, seed: int) -> None:
+        if topology.server is not None:
+            raise ConfigError(
+                "kind", f"{self.name} is serverless; use a ring or a mesh, not a star"
+            )
+        chain = self.chain(topology.peers, seed)
+        hops = list(zip(chain, chain[1:], strict=False))
+        if self.cycles > 1:
+            hops.append((chain[-1], chain[0]))
+        for a, b in hops:
+            if not topology.graph.has_edge(a, b):
+                raise ConfigError("kind", f"{self.name} needs a link {a}->{b} for its chain order")
+
+    def rounds(self, num_peers: int) -> int:
+        return self.cycles * num_peers
+
+    def behaviour(self, ctx: NodeContext) -> Behaviour:
+        chain = self.chain(ctx.peers, ctx.seed)
+        n, pos = len(chain), chain.index(ctx.node)
+        state: State | None = None
+        for cycle in range(self.cycles):
+            hop = cycle * n + pos + 1  # 1-based position of this turn in the whole run
+            if hop == 1:
+                received = self.start(ctx)
+            else:
+                (msg,) = yield Recv(round=hop - 1, src=chain[pos - 1])
+                received = msg.tensors
+            state = yield from self.turn(ctx, received, hop)
+            yield Evaluate(state, hop)
+            if hop < self.cycles * n:
+                yield Send(chain[(pos + 1) % n], "model", hop, state)
+        yield Finish(state, output=pos == n - 1)
+
+    def start(self, ctx: NodeContext) -> State:
+        """The model the first peer starts from."""
+        return ctx.init_state()
+
+    def turn(self, ctx: NodeContext, received: State, hop: int) -> Behaviour:
+        """One peer's work on the received model; returns the model to forward."""
+        result = yield Train(received, hop)
+        return result.state

@@ -1,0 +1,315 @@
+"""Model builders, FLOP counting and model-state helpers.
+
+A model builder is ``fn(input_shape, num_classes, *, <keys>) -> nn.Module`` registered in
+:data:`MODELS`; its keyword arguments are the keys of the YAML ``model:`` section (see
+:mod:`p2pfl.options`). Builders create their modules on the CPU, where model state lives
+between a peer's turns.
+
+The small models (``mlp``, ``lenet``, ``cnn3``, ``cnn_s``) are built from :class:`Hidden`
+layers, so every hidden non-linearity sits in one place per layer (``Hidden.act``), after
+the layer and its normalisation. Position-aware neurons (specs/pans.md §2.3) plug in there;
+the output layer is a bare ``nn.Linear`` and never gets one.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Literal
+
+import torch
+from torch import Tensor, nn
+
+from p2pfl.errors import ConfigError
+from p2pfl.options import Registry, bind
+
+InputShape = tuple[int, int, int]
+"""(channels, height, width) of one sample."""
+
+MODELS: Registry[Callable[..., nn.Module]] = Registry("model")
+
+
+class Hidden(nn.Module):
+    """One hidden layer: ``layer`` → ``norm`` → ``act`` → ``pool``.
+
+    ``act`` is the layer's only non-linearity, so a position encoding (PANs) can be added
+    right before it by wrapping or replacing this one module. Missing parts are
+    ``nn.Identity`` so the forward pass stays uniform and adds no state.
+    """
+
+    def __init__(
+        self, layer: nn.Module, norm: nn.Module | None = None, pool: nn.Module | None = None
+    ) -> None:
+        super().__init__()
+        self.layer = layer
+        self.norm = nn.Identity() if norm is None else norm
+        self.act = nn.ReLU()
+        self.pool = nn.Identity() if pool is None else pool
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.pool(self.act(self.norm(self.layer(x))))
+
+
+def _probe(model: nn.Module, input_shape: InputShape) -> Tensor:
+    """Run one all-zero sample through ``model`` in eval mode, without touching its state.
+
+    Eval mode keeps BatchNorm running statistics unchanged; the previous mode is restored.
+    """
+    param = next(model.parameters(), None)
+    device = param.device if param is not None else torch.device("cpu")
+    dtype = param.dtype if param is not None else torch.float32
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            return model(torch.zeros(1, *input_shape, device=device, dtype=dtype))
+    finally:
+        model.train(was_training)
+
+
+def _flat_size(features: nn.Module, input_shape: InputShape) -> int:
+    """Number of features ``features`` produces for one sample (the flatten size)."""
+    try:
+        return _probe(features, input_shape)[0].numel()
+    except RuntimeError as e:  # a conv or pool with an input smaller than its kernel
+        raise ConfigError("name", f"input shape {input_shape} is too small for this model") from e
+
+
+def _check_positive(key: str, value: int) -> None:
+    if value <= 0:
+        raise ConfigError(key, f"must be positive, got {value}")
+
+
+def _auto_padding(padding: int | None, input_shape: InputShape, min_side: int, pad: int) -> int:
+    """``padding`` if given, else 0 when the input is at least ``min_side`` pixels a side
+    (the published, unpadded network fits) and ``pad`` otherwise (tiny inputs such as 8×8
+    digits)."""
+    if padding is not None:
+        if padding < 0:
+            raise ConfigError("padding", f"must be >= 0, got {padding}")
+        return padding
+    return 0 if min(input_shape[1:]) >= min_side else pad
+
+
+@MODELS.register("mlp")
+def mlp(
+    input_shape: InputShape,
+    num_classes: int,
+    *,
+    hidden: tuple[int, ...] = (200,),
+    bias: bool = True,
+) -> nn.Module:
+    """Flatten → (Linear → ReLU) per ``hidden`` size → Linear to the classes.
+
+    FedELMY's CPU-scale MLP is 784-200-10; MA-Echo uses ``hidden: [400, 200, 100]`` with
+    ``bias: false``. An empty ``hidden`` list gives logistic regression.
+    """
+    for size in hidden:
+        if size <= 0:
+            raise ConfigError("hidden", f"sizes must be positive, got {list(hidden)}")
+    layers: OrderedDict[str, nn.Module] = OrderedDict(flatten=nn.Flatten())
+    width = input_shape[0] * input_shape[1] * input_shape[2]
+    for i, size in enumerate(hidden, 1):
+        layers[f"fc{i}"] = Hidden(nn.Linear(width, size, bias=bias))
+        width = size
+    layers["out"] = nn.Linear(width, num_classes, bias=bias)
+    return nn.Sequential(layers)
+
+
+@MODELS.register("lenet")
+def lenet(
+    input_shape: InputShape,
+    num_classes: int,
+    *,
+    bias: bool = True,
+    padding: int | None = None,
+) -> nn.Module:
+    """LeNet-5 style: conv5 C→6, ReLU, pool2; conv5 6→16, ReLU, pool2; fc →120 →84 →classes.
+
+    ``padding`` applies to both convs. By default (null) it is 0 for inputs of 16 pixels a
+    side or more, which gives the papers' networks: FedFisher's bias-free FMNIST LeNet
+    (28×28, fc 256→120, 44,190 parameters) and FedELMY's ``SimpleCNN`` (32×32, fc 400→120);
+    smaller inputs (8×8 digits) get padding 2 so the convs still fit. ``bias: false`` makes
+    every conv and linear layer bias-free, as in FedFisher.
+    """
+    pad = _auto_padding(padding, input_shape, min_side=16, pad=2)
+    net = nn.Sequential(
+        OrderedDict(
+            conv1=Hidden(
+                nn.Conv2d(input_shape[0], 6, 5, padding=pad, bias=bias), pool=nn.MaxPool2d(2)
+            ),
+            conv2=Hidden(nn.Conv2d(6, 16, 5, padding=pad, bias=bias), pool=nn.MaxPool2d(2)),
+            flatten=nn.Flatten(),
+        )
+    )
+    width = _flat_size(net, input_shape)
+    net.add_module("fc1", Hidden(nn.Linear(width, 120, bias=bias)))
+    net.add_module("fc2", Hidden(nn.Linear(120, 84, bias=bias)))
+    net.add_module("out", nn.Linear(84, num_classes, bias=bias))
+    return net
+
+
+@MODELS.register("cnn3")
+def cnn3(
+    input_shape: InputShape,
+    num_classes: int,
+    *,
+    width: int = 128,
+    padding: int | None = None,
+) -> nn.Module:
+    """FedELMY's "three-layer CNN" (``CNNCifar``): three conv3×3 (C→w→w→w) with ReLU, a
+    max-pool after the first two, then fc → classes. Biases, no BN.
+
+    ``padding`` applies to all three convs. By default (null) it is 0, the paper's network
+    (fc 2048 for 32×32 with w = 128, 1152 for 28×28), for inputs of 18 pixels a side or
+    more, and 1 for smaller ones (8×8 digits: fc w·2·2) so the convs still fit.
+    """
+    _check_positive("width", width)
+    pad = _auto_padding(padding, input_shape, min_side=18, pad=1)
+    net = nn.Sequential(
+        OrderedDict(
+            conv1=Hidden(nn.Conv2d(input_shape[0], width, 3, padding=pad), pool=nn.MaxPool2d(2)),
+            conv2=Hidden(nn.Conv2d(width, width, 3, padding=pad), pool=nn.MaxPool2d(2)),
+            conv3=Hidden(nn.Conv2d(width, width, 3, padding=pad)),
+            flatten=nn.Flatten(),
+        )
+    )
+    net.add_module("out", nn.Linear(_flat_size(net, input_shape), num_classes))
+    return net
+
+
+@MODELS.register("cnn_s")
+def cnn_s(input_shape: InputShape, num_classes: int) -> nn.Module:
+    """FedELMY spec §6 ``CNN-S``, a small CNN with BatchNorm for checking BN handling:
+    conv5 C→8 (pad 2), BN, ReLU, pool2; conv5 8→16 (pad 2), BN, ReLU, pool2; fc → classes
+    (784 inputs for 28×28)."""
+
+    def block(cin: int, cout: int) -> Hidden:
+        return Hidden(nn.Conv2d(cin, cout, 5, padding=2), nn.BatchNorm2d(cout), nn.MaxPool2d(2))
+
+    net = nn.Sequential(
+        OrderedDict(conv1=block(input_shape[0], 8), conv2=block(8, 16), flatten=nn.Flatten())
+    )
+    net.add_module("out", nn.Linear(_flat_size(net, input_shape), num_classes))
+    return net
+
+
+_GROUPS = 2
+"""GroupNorm groups for ``resnet18(norm="group")``: 2, as in Hsieh et al. (2020), the usual
+BatchNorm replacement in non-iid FL; it divides every ResNet-18 width."""
+
+
+@MODELS.register("resnet18")
+def resnet18(
+    input_shape: InputShape,
+    num_classes: int,
+    *,
+    norm: Literal["bn", "group", "none"] = "bn",
+) -> nn.Module:
+    """torchvision ResNet-18 (random init, nothing downloaded) in its CIFAR form: a 3×3
+    stride-1 stem taking C input channels and no max-pool, as in FedELMY's code.
+
+    ``norm`` picks BatchNorm, GroupNorm (2 groups) or none (``nn.Identity``; FedFisher's
+    ResNet has no BN). Position encodings, if added later, go on the norm outputs.
+    """
+    # Imported here: torchvision doubles the import time and only ResNets need it.
+    from torchvision.models import resnet18 as tv_resnet18
+
+    norm_layer: Callable[[int], nn.Module] = {
+        "bn": nn.BatchNorm2d,
+        "group": lambda c: nn.GroupNorm(_GROUPS, c),
+        "none": lambda c: nn.Identity(),
+    }[norm]
+    model = tv_resnet18(weights=None, num_classes=num_classes, norm_layer=norm_layer)
+    model.conv1 = nn.Conv2d(input_shape[0], 64, 3, stride=1, padding=1, bias=False)
+    nn.init.kaiming_normal_(model.conv1.weight, mode="fan_out", nonlinearity="relu")
+    model.maxpool = nn.Identity()
+    return model
+
+
+def build_model(options: dict, input_shape: InputShape, num_classes: int) -> nn.Module:
+    """Build the model described by the YAML ``model:`` mapping (``name`` plus its keys)."""
+    rest = dict(options)
+    if "name" not in rest:
+        raise ConfigError("name", "missing required key")
+    fn = MODELS.get(rest.pop("name"))
+    return fn(tuple(input_shape), num_classes, **bind(fn, rest, skip=2))
+
+
+def forward_flops(model: nn.Module, input_shape: InputShape) -> int:
+    """FLOPs of one forward pass for one sample, for the simulator's compute-time model.
+
+    Counts Linear (2·in·out per output row) and Conv2d (2·(Cin/groups)·kh·kw per output
+    element) layers with forward hooks on a dummy input; bias adds, activations, norms,
+    pooling and residual additions are ignored (a few percent at most for these models).
+    """
+    total = 0
+
+    def count(module: nn.Module, inputs: tuple[Tensor, ...], output: Tensor) -> None:
+        nonlocal total
+        if isinstance(module, nn.Linear):
+            total += 2 * module.in_features * output.numel()
+        else:
+            kh, kw = module.kernel_size
+            total += 2 * (module.in_channels // module.groups) * kh * kw * output.numel()
+
+    handles = [
+        m.register_forward_hook(count)
+        for m in model.modules()
+        if isinstance(m, (nn.Linear, nn.Conv2d))
+    ]
+    try:
+        _probe(model, input_shape)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return total
+
+
+def state_bytes(state: dict[str, Tensor]) -> int:
+    """Raw size of a state dict: Σ numel · element_size (what a message carries)."""
+    return sum(t.numel() * t.element_size() for t in state.values())
+
+
+def clone_state(state: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Detached CPU copies of every tensor, safe to keep while the model trains on."""
+    return {k: v.detach().to("cpu", copy=True) for k, v in state.items()}
+
+
+def average_states(
+    states: list[dict[str, Tensor]], weights: list[float] | None = None
+) -> dict[str, Tensor]:
+    """Weighted mean of state dicts with identical keys, shapes and dtypes.
+
+    Weights default to uniform and are normalised here. Floating tensors are accumulated in
+    float64 and cast back to their dtype, so averaging identical states returns them bit for
+    bit. Integer tensors (BatchNorm ``num_batches_tracked``) get the rounded weighted mean.
+    """
+    if not states:
+        raise ValueError("average_states needs at least one state")
+    if weights is None:
+        weights = [1.0] * len(states)
+    if len(weights) != len(states):
+        raise ValueError(f"{len(weights)} weights for {len(states)} states")
+    if any(w < 0 for w in weights) or sum(weights) <= 0:
+        raise ValueError(f"weights must be non-negative with a positive sum, got {weights}")
+    total = float(sum(weights))
+    shares = [w / total for w in weights]
+    ref = states[0]
+    for i, state in enumerate(states[1:], 1):
+        if state.keys() != ref.keys():
+            diff = sorted(set(state) ^ set(ref))
+            raise ValueError(f"state {i} has different keys than state 0: {diff}")
+        for k, v in state.items():
+            if v.shape != ref[k].shape or v.dtype != ref[k].dtype:
+                raise ValueError(
+                    f"state {i} {k!r}: {v.dtype}{list(v.shape)}, "
+                    f"state 0 has {ref[k].dtype}{list(ref[k].shape)}"
+                )
+    out: dict[str, Tensor] = {}
+    for k, v in ref.items():
+        acc = torch.zeros(v.shape, dtype=torch.float64, device=v.device)
+        for share, state in zip(shares, states, strict=True):
+            acc.add_(state[k].to(torch.float64), alpha=share)
+        out[k] = acc.to(v.dtype) if v.is_floating_point() else acc.round().to(v.dtype)
+    return out

@@ -1,0 +1,174 @@
+"""Bind YAML option dicts to the keyword arguments of registered components.
+
+A component (dataset loader, partitioner, model, method, ...) is a plain function or class
+whose keyword arguments *are* its YAML keys: names, defaults and types come from its
+signature. ``bind`` rejects unknown keys and wrong types with a :class:`ConfigError` that
+names the key, so every component gets the same checks without writing them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import types
+import typing
+from collections.abc import Callable, Iterator
+from typing import Any, Generic, Literal, TypeVar, get_args, get_origin, get_type_hints
+
+from p2pfl.errors import ConfigError
+
+T = TypeVar("T", bound=Callable[..., Any])
+
+
+def _type_name(tp: Any) -> str:
+    origin = get_origin(tp)
+    if origin is Literal:
+        return " | ".join(repr(a) for a in get_args(tp))
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in get_args(tp))
+    if origin in (list, tuple):
+        args = get_args(tp)
+        return f"list of {_type_name(args[0])}" if args else "list"
+    if origin is dict:
+        return "mapping"
+    return {type(None): "null", float: "number", int: "integer", bool: "true/false"}.get(
+        tp, getattr(tp, "__name__", str(tp))
+    )
+
+
+def check_type(value: Any, tp: Any) -> Any:
+    """Return ``value`` converted to ``tp`` (int -> float, list -> tuple), or raise TypeError."""
+    if tp is Any:
+        return value
+    origin = get_origin(tp)
+    if origin is Literal:
+        if value in get_args(tp):
+            return value
+        raise TypeError(f"must be one of {', '.join(repr(a) for a in get_args(tp))}, got {value!r}")
+    if origin in (typing.Union, types.UnionType):
+        for arg in get_args(tp):
+            try:
+                return check_type(value, arg)
+            except TypeError:
+                continue
+        raise TypeError(f"must be {_type_name(tp)}, got {value!r}")
+    if origin in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            raise TypeError(f"must be {_type_name(tp)}, got {value!r}")
+        (inner, *_) = get_args(tp) or (Any,)
+        items = [check_type(v, inner) for v in value]
+        return tuple(items) if origin is tuple else items
+    if origin is dict or tp is dict:
+        if not isinstance(value, dict):
+            raise TypeError(f"must be a mapping, got {value!r}")
+        return value
+    if tp is type(None):
+        if value is None:
+            return None
+        raise TypeError(f"must be null, got {value!r}")
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+    elif isinstance(value, tp):
+        return value
+    raise TypeError(f"must be {_type_name(tp)}, got {value!r}")
+
+
+def parameters(fn: Callable[..., Any], skip: int = 0) -> dict[str, inspect.Parameter]:
+    """The keyword options of ``fn``: its parameters after the first ``skip`` positional ones."""
+    params = list(inspect.signature(fn).parameters.values())[skip:]
+    return {p.name: p for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)}
+
+
+def bind(fn: Callable[..., Any], options: dict[str, Any], skip: int = 0) -> dict[str, Any]:
+    """Check ``options`` against ``fn``'s signature and return the full keyword dict.
+
+    Missing keys take their defaults; a key without a default must be given. Errors name
+    the key relative to the section (the caller adds the prefix with ``ConfigError.within``).
+    """
+    params = parameters(fn, skip)
+    if dataclasses.is_dataclass(fn):
+        hints = get_type_hints(fn)
+    else:
+        hints = get_type_hints(fn.__init__ if inspect.isclass(fn) else fn)
+    unknown = sorted(set(options) - set(params))
+    if unknown:
+        raise ConfigError(
+            unknown[0], f"unknown key; valid keys are: {', '.join(sorted(params)) or '(none)'}"
+        )
+    out: dict[str, Any] = {}
+    for name, p in params.items():
+        if name in options:
+            try:
+                out[name] = check_type(options[name], hints.get(name, Any))
+            except TypeError as e:
+                raise ConfigError(name, str(e)) from None
+        elif p.default is inspect.Parameter.empty:
+            raise ConfigError(name, "missing required key")
+        else:
+            out[name] = p.default
+    return out
+
+
+def bind_with_common(
+    fn: Callable[..., Any],
+    common: Callable[..., Any],
+    options: dict[str, Any],
+    skip: int = 0,
+    common_skip: int = 0,
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Bind one YAML section whose keys belong partly to ``fn`` and partly to ``common``.
+
+    ``options`` excludes ``name``. Returns the keyword dicts for ``fn`` and ``common``; an
+    unknown key names every valid key of the section, not just one side's.
+    """
+    own, shared = parameters(fn, skip), parameters(common, common_skip)
+    unknown = sorted(set(options) - set(own) - set(shared))
+    if unknown:
+        valid = ", ".join(sorted({"name", *own, *shared}))
+        raise ConfigError(unknown[0], f"unknown key; valid keys are: {valid}")
+    mine = {k: v for k, v in options.items() if k in own}
+    theirs = {k: v for k, v in options.items() if k in shared}
+    return bind(fn, mine, skip), bind(common, theirs, common_skip)
+
+
+class Registry(Generic[T]):
+    """Named components of one kind (``"dataset"``, ``"model"``, ...)."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self._items: dict[str, T] = {}
+
+    def register(self, name: str) -> Callable[[T], T]:
+        def deco(fn: T) -> T:
+            if name in self._items:
+                raise ValueError(f"{self.kind} {name!r} registered twice")
+            self._items[name] = fn
+            return fn
+
+        return deco
+
+    def get(self, name: Any) -> T:
+        if name not in self._items:
+            raise ConfigError(
+                "name", f"unknown {self.kind} {name!r}; choose one of: {', '.join(self.names())}"
+            )
+        return self._items[name]
+
+    def names(self) -> list[str]:
+        return sorted(self._items)
+
+    def __iter__(self) -> Iterator[tuple[str, T]]:
+        return iter(sorted(self._items.items()))
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._items

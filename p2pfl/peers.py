@@ -1,0 +1,95 @@
+"""Peer profiles: where a peer computes, how fast, and its default links.
+
+A profile file (``peers/*.yaml``) describes a population; ``build_peers`` turns it into one
+:class:`PeerProfile` per peer, drawing the seeded speed spread. Simulated compute time for a
+training step is ``FLOPs / (flops_per_s * speed)`` (``compute: model``, deterministic) or the
+step's measured wall time divided by ``speed`` (``compute: measured``, not reproducible).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from p2pfl.errors import ConfigError
+from p2pfl.options import bind
+from p2pfl.seeding import numpy_rng
+from p2pfl.topology import DEFAULT_LINK, Link, make_link
+
+DEVICES = ("cpu", "cuda", "auto")
+
+
+@dataclass(frozen=True)
+class PeerProfile:
+    """One peer's compute: its device and its speed relative to ``flops_per_s``."""
+
+    device: str
+    speed: float
+
+
+@dataclass(frozen=True)
+class Population:
+    """The profiles of all peers plus what they share."""
+
+    profiles: list[PeerProfile]
+    flops_per_s: float
+    compute: Literal["model", "measured"]
+    link: Link
+
+
+def population(
+    *,
+    count: int,
+    device: str = "cpu",
+    speed: float = 1.0,
+    flops_per_s: float = 5e9,
+    compute: Literal["model", "measured"] = "model",
+    link: dict[str, Any] | None = None,
+    speed_sigma: float = 0.0,
+    slow_fraction: float = 0.0,
+    slow_factor: float = 0.1,
+) -> dict[str, Any]:
+    """The keys of the ``peers:`` section (and of a profile file); returns them checked.
+
+    - ``count``: number of data-holding peers.
+    - ``device``: ``cpu``, ``cuda``, ``cuda:N`` or ``auto`` (cuda when available).
+    - ``speed``: compute speed of a typical peer, relative to ``flops_per_s``.
+    - ``flops_per_s``: FLOP/s of a speed-1 peer in the compute model.
+    - ``compute``: ``model`` (FLOP count, deterministic) or ``measured`` (wall time).
+    - ``link``: default ``{latency_s, bandwidth_bps}`` for links the topology leaves unset.
+    - ``speed_sigma``: each peer's speed is multiplied by a seeded lognormal(0, sigma) draw.
+    - ``slow_fraction`` / ``slow_factor``: that fraction of peers (seeded) is slower by the factor.
+    """
+    if count < 1:
+        raise ConfigError("count", "must be >= 1")
+    if not (device in DEVICES or (device.startswith("cuda:") and device[5:].isdigit())):
+        raise ConfigError("device", f"must be cpu, cuda, cuda:N or auto, got {device!r}")
+    for key, value in (
+        ("speed", speed),
+        ("flops_per_s", flops_per_s),
+        ("slow_factor", slow_factor),
+    ):
+        if value <= 0:
+            raise ConfigError(key, "must be > 0")
+    if speed_sigma < 0:
+        raise ConfigError("speed_sigma", "must be >= 0")
+    if not 0 <= slow_fraction <= 1:
+        raise ConfigError("slow_fraction", "must be in [0, 1]")
+    return dict(locals())
+
+
+def build_peers(options: dict[str, Any], seed: int) -> Population:
+    """Bind the ``peers:`` options and draw each peer's speed from the run's seed."""
+    kw = bind(population, options)
+    population(**kw)
+    n = kw["count"]
+    rng = numpy_rng(seed, "peer-speeds")
+    speeds = kw["speed"] * rng.lognormal(0.0, kw["speed_sigma"], size=n)
+    slow = rng.permutation(n)[: round(kw["slow_fraction"] * n)]
+    speeds[slow] *= kw["slow_factor"]
+    try:
+        link = make_link(kw["link"] or {}, DEFAULT_LINK)
+    except ConfigError as e:
+        raise e.within("link") from None
+    profiles = [PeerProfile(device=kw["device"], speed=float(s)) for s in speeds]
+    return Population(profiles, kw["flops_per_s"], kw["compute"], link)

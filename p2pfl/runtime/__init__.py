@@ -1,0 +1,1 @@
+"""Runtimes carry out the effects that method behaviours yield (simulated or over sockets)."""

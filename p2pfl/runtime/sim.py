@@ -1,0 +1,141 @@
+"""The simulation runtime: method behaviours as SimPy processes on one shared clock.
+
+- ``Send`` serializes the message at the choke point (``wire.encode``), queues it on the
+  sender's uplink (one transfer at a time, FIFO), holds the uplink for 8·bytes/bandwidth
+  seconds, then the message arrives ``latency_s`` later and is recorded in the ledger.
+- ``Recv`` blocks until enough matching messages are in the node's mailbox.
+- ``Train`` advances the node's clock by its modelled (or measured) compute time.
+- ``Evaluate``, ``Log`` and ``Finish`` take no simulated time.
+
+Event order is deterministic, so the same config and seed replay bit for bit. If every
+process is blocked while some node still waits, the run fails naming who waits for what.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+from typing import Any
+
+import simpy
+
+from p2pfl.effects import Behaviour, Evaluate, Finish, Log, Recv, Send, Train
+from p2pfl.errors import RunError
+from p2pfl.ledger import Ledger
+from p2pfl.runtime.worker import Worker
+from p2pfl.topology import Topology
+from p2pfl.wire import Message, decode, encode
+
+
+def matches(recv: Recv, msg: Message) -> bool:
+    return (
+        msg.kind in recv.kinds
+        and (recv.round is None or msg.round == recv.round)
+        and (recv.src is None or msg.src == recv.src)
+    )
+
+
+def take(inbox: list[Message], recv: Recv) -> list[Message] | None:
+    """Remove and return ``recv.count`` matching messages (oldest first), sorted by sender."""
+    hits = [i for i, m in enumerate(inbox) if matches(recv, m)][: recv.count]
+    if len(hits) < recv.count:
+        return None
+    taken = [inbox[i] for i in hits]
+    for i in reversed(hits):
+        del inbox[i]
+    return sorted(taken, key=lambda m: m.src)
+
+
+class SimRuntime:
+    """Runs one behaviour per node on a SimPy clock with the topology's link model."""
+
+    def __init__(self, topology: Topology, worker: Worker, ledger: Ledger) -> None:
+        self.env = simpy.Environment()
+        self.topology = topology
+        self.worker = worker
+        self.ledger = ledger
+        nodes = list(topology.graph.nodes)
+        self.inbox: dict[int, list[Message]] = {n: [] for n in nodes}
+        self.arrival: dict[int, simpy.Event] = {n: self.env.event() for n in nodes}
+        self.uplink = {n: simpy.Resource(self.env, capacity=1) for n in nodes}
+        self.waiting: dict[int, Recv] = {}
+        self.finals: dict[int, Finish] = {}
+
+    def run(self, behaviours: dict[int, Behaviour]) -> dict[int, Finish]:
+        """Drive every node's behaviour to its end; return each node's ``Finish``."""
+        for node, gen in behaviours.items():
+            self.env.process(self._drive(node, gen))
+        self.env.run()
+        stuck = sorted(set(behaviours) - set(self.finals))
+        if stuck:
+            what = "; ".join(
+                f"{self.topology.name(n)} waits for {self._describe(n)}" for n in stuck
+            )
+            raise RunError(f"deadlock at t={self.env.now:.3f}s: {what}")
+        return self.finals
+
+    @property
+    def now(self) -> float:
+        return self.env.now
+
+    def _describe(self, node: int) -> str:
+        recv = self.waiting.get(node)
+        if recv is None:
+            return "nothing (it ended without Finish)"
+        src = "" if recv.src is None else f" from {self.topology.name(recv.src)}"
+        rnd = "" if recv.round is None else f" of round {recv.round}"
+        return f"{recv.count} {'/'.join(recv.kinds)} message(s){rnd}{src}"
+
+    def _drive(self, node: int, gen: Behaviour) -> Generator[simpy.Event, Any, None]:
+        value: Any = None
+        while True:
+            try:
+                eff = gen.send(value)
+            except StopIteration:
+                return
+            value = None
+            if isinstance(eff, Send):
+                self._send(node, eff)
+            elif isinstance(eff, Recv):
+                value = yield from self._recv(node, eff)
+            elif isinstance(eff, Train):
+                value, seconds = self.worker.train(node, eff)
+                yield self.env.timeout(seconds)
+            elif isinstance(eff, Evaluate):
+                value = self.worker.evaluate(node, eff, self.env.now)
+            elif isinstance(eff, Log):
+                self.worker.log(node, eff, self.env.now)
+            elif isinstance(eff, Finish):
+                self.finals[node] = eff
+            else:
+                raise TypeError(f"node {node} yielded {eff!r}, which is not an effect")
+
+    def _recv(self, node: int, recv: Recv) -> Generator[simpy.Event, Any, list[Message]]:
+        self.waiting[node] = recv
+        while (got := take(self.inbox[node], recv)) is None:
+            yield self.arrival[node]
+        del self.waiting[node]
+        return got
+
+    def _send(self, src: int, eff: Send) -> None:
+        if not self.topology.graph.has_edge(src, eff.dst):
+            raise RunError(
+                f"{self.topology.name(src)} sent to {self.topology.name(eff.dst)}, "
+                "which is not its neighbour"
+            )
+        frame = encode(Message(eff.kind, src, eff.dst, eff.round, eff.tensors, eff.meta))
+        self.env.process(self._transfer(src, eff.dst, eff.round, eff.kind, frame))
+
+    def _transfer(
+        self, src: int, dst: int, round: int, kind: str, frame: bytes
+    ) -> Generator[simpy.Event, Any, None]:
+        link = self.topology.link(src, dst)
+        sent = self.env.now
+        with self.uplink[src].request() as slot:
+            yield slot
+            yield self.env.timeout(link.transfer_s(len(frame)))
+        yield self.env.timeout(link.latency_s)
+        name = self.topology.name
+        self.ledger.record(sent, round, name(src), name(dst), kind, len(frame), self.env.now)
+        self.inbox[dst].append(decode(frame))
+        event, self.arrival[dst] = self.arrival[dst], self.env.event()
+        event.succeed()

@@ -1,0 +1,93 @@
+"""Local effects shared by every runtime: training, evaluation and metric rows.
+
+A runtime owns the clock and the network; the worker owns the peers' data, the trainer
+and the metrics log, and says how many simulated seconds each piece of compute costs.
+"""
+
+from __future__ import annotations
+
+import torch
+from tqdm import tqdm
+
+from p2pfl.data.federated import FederatedData
+from p2pfl.effects import Evaluate, Log, Train
+from p2pfl.metrics import MetricsLog
+from p2pfl.peers import Population
+from p2pfl.seeding import torch_generator
+from p2pfl.topology import Topology
+from p2pfl.training import TrainConfig, Trainer, TrainResult, resolve_device
+
+
+class Worker:
+    """Carries out ``Train``, ``Evaluate`` and ``Log`` for any node of one run."""
+
+    def __init__(
+        self,
+        trainer: Trainer,
+        data: FederatedData,
+        train_cfg: TrainConfig,
+        population: Population,
+        topology: Topology,
+        seed: int,
+        metrics: MetricsLog,
+        eval_every: int,
+        total_rounds: int,
+        progress: bool = False,
+    ) -> None:
+        self.trainer = trainer
+        self.data = data
+        self.train_cfg = train_cfg
+        self.population = population
+        self.topology = topology
+        self.seed = seed
+        self.metrics = metrics
+        self.eval_every = eval_every
+        self.total_rounds = total_rounds
+        self._bar = tqdm(total=total_rounds, unit="round", disable=not progress, leave=False)
+        self._devices = {
+            p: resolve_device(prof.device) for p, prof in enumerate(population.profiles)
+        }
+        self._server_device = resolve_device(population.profiles[0].device)
+
+    def device(self, node: int) -> torch.device:
+        return self._devices.get(node, self._server_device)
+
+    def num_samples(self, node: int) -> int:
+        return self.data.peers[node].num_train if node < len(self.data.peers) else 0
+
+    def train(self, node: int, eff: Train) -> tuple[TrainResult, float]:
+        """Run the training and return it with its simulated duration in seconds."""
+        if node >= len(self.data.peers):
+            raise RuntimeError(f"node {self.topology.name(node)} holds no data and cannot train")
+        cfg = self.train_cfg.with_overrides(eff.overrides)
+        gen = torch_generator(self.seed, "train", node, eff.round, eff.tag)
+        result = self.trainer.train(
+            eff.state, self.data.peers[node], cfg, gen, self.device(node), eff.regularizer
+        )
+        speed = self.population.profiles[node].speed
+        if self.population.compute == "measured":
+            return result, result.wall_s / speed
+        return result, self.trainer.compute_flops(result) / (self.population.flops_per_s * speed)
+
+    def evaluate(self, node: int, eff: Evaluate, now: float) -> tuple[float, float] | None:
+        """Score on the global test set when the round is due (``eval.every``, and the last)."""
+        if eff.round % self.eval_every and eff.round != self.total_rounds:
+            return None
+        acc, loss = self.trainer.evaluate(
+            eff.state, self.data.test_x, self.data.test_y, self.device(node)
+        )
+        name = self.topology.name(node)
+        self.metrics.log(now, eff.round, name, "accuracy", acc)
+        self.metrics.log(now, eff.round, name, "loss", loss)
+        self._advance(eff.round)
+        return acc, loss
+
+    def log(self, node: int, eff: Log, now: float) -> None:
+        self.metrics.log(now, eff.round, self.topology.name(node), eff.metric, eff.value)
+
+    def _advance(self, round: int) -> None:
+        if round > self._bar.n:
+            self._bar.update(round - self._bar.n)
+
+    def close(self) -> None:
+        self._bar.close()

@@ -1,0 +1,182 @@
+"""Who talks to whom: network graphs with per-link latency and bandwidth.
+
+Peers are nodes ``0..N-1``. A star adds one data-less centre, the server, as node ``N``.
+Every edge carries a :class:`Link`; an edge attribute set in the topology file wins over
+the peer profile's link defaults, which win over :data:`DEFAULT_LINK`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import networkx as nx
+
+from p2pfl.errors import ConfigError
+from p2pfl.options import Registry, bind
+
+
+@dataclass(frozen=True)
+class Link:
+    """A link's propagation delay (seconds) and its capacity (bits per second)."""
+
+    latency_s: float = 0.01
+    bandwidth_bps: float = 1e8
+
+    def transfer_s(self, nbytes: int) -> float:
+        """Seconds a message of ``nbytes`` occupies the sender's uplink."""
+        return 8.0 * nbytes / self.bandwidth_bps
+
+
+DEFAULT_LINK = Link()
+
+
+def make_link(options: dict[str, Any], base: Link = DEFAULT_LINK) -> Link:
+    """A link from a ``{latency_s, bandwidth_bps}`` mapping, missing keys from ``base``."""
+    kwargs = bind(
+        Link, {"latency_s": base.latency_s, "bandwidth_bps": base.bandwidth_bps} | options
+    )
+    if kwargs["latency_s"] < 0:
+        raise ConfigError("latency_s", "must be >= 0")
+    if kwargs["bandwidth_bps"] <= 0:
+        raise ConfigError("bandwidth_bps", "must be > 0")
+    return Link(**kwargs)
+
+
+@dataclass
+class Topology:
+    """A connected graph of peers (and a server for a star) with a link on every edge."""
+
+    kind: str
+    graph: nx.Graph
+    num_peers: int
+    server: int | None = None
+
+    @property
+    def peers(self) -> list[int]:
+        return list(range(self.num_peers))
+
+    def neighbours(self, node: int) -> list[int]:
+        return sorted(self.graph.neighbors(node))
+
+    def link(self, src: int, dst: int) -> Link:
+        if not self.graph.has_edge(src, dst):
+            raise KeyError(f"no link between {self.name(src)} and {self.name(dst)}")
+        return self.graph.edges[src, dst]["link"]
+
+    def name(self, node: int) -> str:
+        return "server" if node == self.server else str(node)
+
+
+GRAPHS: Registry = Registry("topology kind")
+
+
+@GRAPHS.register("ring")
+def ring(n: int, seed: int) -> nx.Graph:
+    """Peer i is linked to i-1 and i+1 (mod N)."""
+    return nx.cycle_graph(n) if n > 2 else nx.path_graph(n)
+
+
+@GRAPHS.register("mesh")
+def mesh(n: int, seed: int) -> nx.Graph:
+    """Every pair of peers is linked (complete graph)."""
+    return nx.complete_graph(n)
+
+
+@GRAPHS.register("star")
+def star(n: int, seed: int) -> nx.Graph:
+    """Every peer is linked to one data-less centre, the server (node N)."""
+    g = nx.Graph()
+    g.add_nodes_from(range(n + 1))
+    g.add_edges_from((n, i) for i in range(n))
+    return g
+
+
+def _connected(make, n: int, seed: int, what: str) -> nx.Graph:
+    """Draw seeded graphs until one is connected (at most 100 tries, then a clear error)."""
+    for attempt in range(100):
+        g = make(seed + attempt)
+        if nx.is_connected(g):
+            return g
+    raise ConfigError(what, f"100 seeded draws gave no connected graph on {n} peers; raise it")
+
+
+@GRAPHS.register("erdos_renyi")
+def erdos_renyi(n: int, seed: int, *, p: float = 0.3) -> nx.Graph:
+    """G(n, p): each pair linked with probability p (redrawn until connected)."""
+    if not 0 < p <= 1:
+        raise ConfigError("p", "must be in (0, 1]")
+    return _connected(lambda s: nx.erdos_renyi_graph(n, p, seed=s), n, seed, "p")
+
+
+@GRAPHS.register("watts_strogatz")
+def watts_strogatz(n: int, seed: int, *, k: int = 4, p: float = 0.1) -> nx.Graph:
+    """Small world: a ring lattice with k neighbours, each edge rewired with probability p."""
+    if not 2 <= k < n:
+        raise ConfigError("k", f"must be in [2, {n - 1}] for {n} peers")
+    if not 0 <= p <= 1:
+        raise ConfigError("p", "must be in [0, 1]")
+    return _connected(lambda s: nx.watts_strogatz_graph(n, k, p, seed=s), n, seed, "p")
+
+
+@GRAPHS.register("edges")
+def edges(n: int, seed: int, *, edges: list[list[int]]) -> nx.Graph:
+    """An explicit edge list ``[[0, 1], [1, 2], ...]`` over peers 0..N-1."""
+    g = nx.Graph()
+    g.add_nodes_from(range(n))
+    for e in edges:
+        if len(e) != 2 or not all(0 <= v < n for v in e) or e[0] == e[1]:
+            raise ConfigError("edges", f"edge {e} must join two different peers in 0..{n - 1}")
+        g.add_edge(*e)
+    return g
+
+
+def build_topology(
+    options: dict[str, Any], num_peers: int, seed: int, link_defaults: Link = DEFAULT_LINK
+) -> Topology:
+    """Build the graph named by ``options['kind']`` with links on every edge.
+
+    Keys: ``kind`` (ring | mesh | star | erdos_renyi | watts_strogatz | edges) and its own
+    keys, ``link`` (defaults for every edge) and ``links`` (per-edge overrides, each
+    ``{between: [u, v], latency_s, bandwidth_bps}``; the server of a star is ``"server"``).
+    """
+    opts = dict(options)
+    kind = opts.pop("kind", None)
+    if kind is None:
+        raise ConfigError("kind", f"missing; choose one of: {', '.join(GRAPHS.names())}")
+    try:
+        make = GRAPHS.get(kind)
+    except ConfigError as e:
+        raise ConfigError("kind", e.message) from None
+    link_opts = opts.pop("link", {}) or {}
+    overrides = opts.pop("links", []) or []
+    if not isinstance(link_opts, dict):
+        raise ConfigError("link", "must be a mapping {latency_s, bandwidth_bps}")
+    if num_peers < 2:
+        raise ConfigError("kind", f"a {kind} needs at least 2 peers, got {num_peers}")
+    graph = make(num_peers, seed, **bind(make, opts, skip=2))
+    if not nx.is_connected(graph):
+        raise ConfigError("kind", "the graph is not connected")
+    try:
+        base = make_link(link_opts, link_defaults)
+    except ConfigError as e:
+        raise e.within("link") from None
+    nx.set_edge_attributes(graph, base, "link")
+    server = num_peers if kind == "star" else None
+    topo = Topology(kind=kind, graph=graph, num_peers=num_peers, server=server)
+    for i, ov in enumerate(overrides):
+        _apply_override(topo, ov, f"links.{i}")
+    return topo
+
+
+def _apply_override(topo: Topology, override: Any, key: str) -> None:
+    if not isinstance(override, dict) or "between" not in override:
+        raise ConfigError(key, "must be a mapping with 'between: [u, v]' and link keys")
+    ov = dict(override)
+    ends = [topo.server if v == "server" else v for v in ov.pop("between")]
+    if len(ends) != 2 or not topo.graph.has_edge(*ends):
+        raise ConfigError(f"{key}.between", f"{override['between']} is not an edge of the graph")
+    try:
+        topo.graph.edges[ends]["link"] = make_link(ov, topo.graph.edges[ends]["link"])
+    except ConfigError as e:
+        raise e.within(key) from None

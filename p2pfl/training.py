@@ -1,0 +1,170 @@
+"""Local work: training a model state on one peer's data, and scoring a state.
+
+A single template module per device is reused for every peer: a peer's model exists only
+as a CPU ``state_dict`` between its turns, and is loaded into the template for a step.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from p2pfl.data.federated import PeerData
+from p2pfl.effects import Regularizer, State
+from p2pfl.errors import ConfigError
+from p2pfl.models import build_model, clone_state, forward_flops
+from p2pfl.options import bind
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """The ``train:`` section: how every local training runs (methods may override keys)."""
+
+    epochs: int = 1
+    batch_size: int = 32
+    optimizer: Literal["sgd", "adam"] = "sgd"
+    lr: float = 0.05
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+    select: Literal["last", "best_val"] = "last"
+
+    def __post_init__(self) -> None:
+        for key in ("epochs", "batch_size"):
+            if getattr(self, key) < 1:
+                raise ConfigError(key, "must be >= 1")
+        if self.lr <= 0:
+            raise ConfigError("lr", "must be > 0")
+        if not 0 <= self.momentum < 1:
+            raise ConfigError("momentum", "must be in [0, 1)")
+        if self.weight_decay < 0:
+            raise ConfigError("weight_decay", "must be >= 0")
+
+    def with_overrides(self, overrides: dict[str, Any]) -> TrainConfig:
+        """This config with some keys replaced (checked like the YAML section)."""
+        return TrainConfig(**bind(TrainConfig, self.__dict__ | overrides)) if overrides else self
+
+
+@dataclass
+class TrainResult:
+    """A trained state, its validation accuracy, and the work it took."""
+
+    state: State
+    val_accuracy: float
+    train_samples: int
+    eval_samples: int
+    wall_s: float
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError("device", f"{device} requested but no CUDA device is available")
+    return torch.device(device)
+
+
+class Trainer:
+    """Trains and scores states of one architecture; also its FLOP-based compute model."""
+
+    def __init__(
+        self, model_options: dict[str, Any], input_shape: tuple[int, ...], num_classes: int
+    ):
+        self._build = lambda: build_model(model_options, input_shape, num_classes)
+        self._modules: dict[torch.device, nn.Module] = {torch.device("cpu"): self._build()}
+        self.forward_flops = forward_flops(self._modules[torch.device("cpu")], input_shape)
+        self.busy_s = 0.0  # wall time spent inside train/evaluate (the overhead floor)
+
+    def init_state(self, seed: int) -> State:
+        """The seeded initial model every peer shares."""
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            return clone_state(self._build().state_dict())
+
+    def module(self, device: torch.device) -> nn.Module:
+        if device not in self._modules:
+            self._modules[device] = self._build().to(device)
+        return self._modules[device]
+
+    def train(
+        self,
+        state: State,
+        data: PeerData,
+        cfg: TrainConfig,
+        generator: torch.Generator,
+        device: torch.device,
+        regularizer: Regularizer | None = None,
+    ) -> TrainResult:
+        """Train a copy of ``state`` for ``cfg.epochs`` with a fresh optimizer.
+
+        With ``select: best_val`` the returned state is the epoch with the strictly best
+        validation accuracy (ties keep the earlier epoch), as in the FedELMY code.
+        """
+        start = time.perf_counter()
+        model = self.module(device)
+        model.load_state_dict(state)
+        params = [p for p in model.parameters() if p.requires_grad]
+        if cfg.optimizer == "adam":
+            opt: torch.optim.Optimizer = torch.optim.Adam(
+                params, lr=cfg.lr, weight_decay=cfg.weight_decay
+            )
+        else:
+            opt = torch.optim.SGD(
+                params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay
+            )
+        x_all, y_all = data.train_x.to(device), data.train_y.to(device)
+        n = len(y_all)
+        best_acc, best_state, eval_samples = -1.0, None, 0
+        for _ in range(cfg.epochs):
+            model.train()
+            order = torch.randperm(n, generator=generator).to(device)
+            for i in range(0, n, cfg.batch_size):
+                idx = order[i : i + cfg.batch_size]
+                ce = F.cross_entropy(model(x_all[idx]), y_all[idx])
+                loss = ce + regularizer(model, ce) if regularizer else ce
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+            if cfg.select == "best_val" and len(data.val_y):
+                acc, _ = self._score(model, data.val_x, data.val_y, device)
+                eval_samples += len(data.val_y)
+                if acc > best_acc:
+                    best_acc, best_state = acc, clone_state(model.state_dict())
+        if best_state is None:
+            best_state = clone_state(model.state_dict())
+        wall = time.perf_counter() - start
+        self.busy_s += wall
+        return TrainResult(best_state, best_acc, n * cfg.epochs, eval_samples, wall)
+
+    def evaluate(
+        self, state: State, x: torch.Tensor, y: torch.Tensor, device: torch.device
+    ) -> tuple[float, float]:
+        """Accuracy (fraction) and mean cross-entropy of ``state`` on ``(x, y)``."""
+        start = time.perf_counter()
+        model = self.module(device)
+        model.load_state_dict(state)
+        result = self._score(model, x, y, device)
+        self.busy_s += time.perf_counter() - start
+        return result
+
+    @staticmethod
+    @torch.no_grad()
+    def _score(
+        model: nn.Module, x: torch.Tensor, y: torch.Tensor, device: torch.device, batch: int = 2048
+    ) -> tuple[float, float]:
+        model.eval()
+        correct, loss = 0, 0.0
+        for i in range(0, len(y), batch):
+            xb, yb = x[i : i + batch].to(device), y[i : i + batch].to(device)
+            out = model(xb)
+            loss += F.cross_entropy(out, yb, reduction="sum").item()
+            correct += (out.argmax(1) == yb).sum().item()
+        return correct / max(len(y), 1), loss / max(len(y), 1)
+
+    def compute_flops(self, result: TrainResult) -> float:
+        """FLOPs the compute model charges: 3x forward per trained sample, 1x per scored one."""
+        return self.forward_flops * (3.0 * result.train_samples + result.eval_samples)

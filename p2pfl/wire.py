@@ -1,0 +1,155 @@
+"""What crosses the network: a message of named tensors plus a small JSON header.
+
+Frame layout (all integers little-endian)::
+
+    b"P2PF" | u32 header length | header (UTF-8 JSON) | tensor bytes, back to back
+
+The header holds the format version, sender, receiver, kind, round, a small ``meta``
+mapping, one ``{name, dtype, shape}`` entry per tensor and the CRC-32 of the tensor bytes.
+Nothing is pickled: decoding only parses JSON and reinterprets raw bytes as tensors, after
+checking every length, dtype and shape against hard limits.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+import zlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+MAGIC = b"P2PF"
+VERSION = 1
+KINDS = ("model", "statistics", "control")
+MAX_HEADER_BYTES = 1 << 20
+MAX_FRAME_BYTES = 1 << 32
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "int64": torch.int64,
+    "int32": torch.int32,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+    "bool": torch.bool,
+}
+_NAMES = {v: k for k, v in DTYPES.items()}
+_PREFIX = struct.Struct("<4sI")
+
+Meta = dict[str, Any]
+
+
+@dataclass
+class Message:
+    """One message: ``kind`` is model, statistics or control; ``tensors`` maps names to tensors."""
+
+    kind: str
+    src: int
+    dst: int
+    round: int
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    meta: Meta = field(default_factory=dict)
+
+
+class WireError(ValueError):
+    """A frame that is not a valid p2pfl message (the reason says why)."""
+
+
+def encode(msg: Message) -> bytes:
+    """Serialize ``msg`` to one frame (tensors are written as contiguous CPU bytes)."""
+    if msg.kind not in KINDS:
+        raise ValueError(f"unknown message kind {msg.kind!r}")
+    entries, blobs = [], []
+    for name, t in msg.tensors.items():
+        t = t.detach().to("cpu").contiguous()
+        if t.dtype not in _NAMES:
+            raise ValueError(f"tensor {name!r} has unsupported dtype {t.dtype}")
+        entries.append({"name": name, "dtype": _NAMES[t.dtype], "shape": list(t.shape)})
+        blobs.append(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    payload = b"".join(blobs)
+    header = {
+        "v": VERSION,
+        "src": msg.src,
+        "dst": msg.dst,
+        "kind": msg.kind,
+        "round": msg.round,
+        "meta": msg.meta,
+        "tensors": entries,
+        "crc32": zlib.crc32(payload),
+    }
+    head = json.dumps(header, separators=(",", ":"), sort_keys=True).encode()
+    return _PREFIX.pack(MAGIC, len(head)) + head + payload
+
+
+def _int(header: dict, key: str) -> int:
+    value = header.get(key)
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise WireError(f"header field {key!r} must be an integer")
+    return value
+
+
+def decode(frame: bytes | bytearray | memoryview, max_bytes: int = MAX_FRAME_BYTES) -> Message:
+    """Parse and check one frame; raise :class:`WireError` with the reason if it is bad."""
+    view = memoryview(frame)
+    if len(view) > max_bytes:
+        raise WireError(f"frame of {len(view)} bytes exceeds the limit of {max_bytes}")
+    if len(view) < _PREFIX.size:
+        raise WireError("frame shorter than its fixed prefix")
+    magic, head_len = _PREFIX.unpack_from(view)
+    if magic != MAGIC:
+        raise WireError("bad magic bytes")
+    if head_len > MAX_HEADER_BYTES or _PREFIX.size + head_len > len(view):
+        raise WireError("header length out of range")
+    try:
+        header = json.loads(bytes(view[_PREFIX.size : _PREFIX.size + head_len]))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise WireError(f"header is not JSON: {e}") from None
+    if not isinstance(header, dict):
+        raise WireError("header is not a JSON object")
+    if header.get("v") != VERSION:
+        raise WireError(f"unsupported version {header.get('v')!r}")
+    kind = header.get("kind")
+    if kind not in KINDS:
+        raise WireError(f"unknown kind {kind!r}")
+    src, dst, rnd, crc = (_int(header, k) for k in ("src", "dst", "round", "crc32"))
+    meta = header.get("meta")
+    entries = header.get("tensors")
+    if not isinstance(meta, dict) or not isinstance(entries, list):
+        raise WireError("header fields 'meta' and 'tensors' must be an object and a list")
+    payload = view[_PREFIX.size + head_len :]
+    if zlib.crc32(payload) != crc:
+        raise WireError("checksum mismatch")
+    tensors: dict[str, torch.Tensor] = {}
+    offset = 0
+    buf = bytearray(payload)  # one owned, writable copy that all tensors view into
+    for e in entries:
+        if not isinstance(e, dict) or not isinstance(e.get("name"), str):
+            raise WireError("tensor entry without a name")
+        name, dtype, shape = e["name"], DTYPES.get(e.get("dtype")), e.get("shape")
+        if dtype is None:
+            raise WireError(f"tensor {name!r}: unsupported dtype {e.get('dtype')!r}")
+        if (
+            not isinstance(shape, list)
+            or len(shape) > 8
+            or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
+        ):
+            raise WireError(f"tensor {name!r}: bad shape {shape!r}")
+        if name in tensors:
+            raise WireError(f"tensor {name!r} appears twice")
+        nbytes = math.prod(shape) * dtype.itemsize
+        if offset + nbytes > len(buf):
+            raise WireError(f"tensor {name!r} runs past the end of the frame")
+        flat = (
+            torch.frombuffer(buf, dtype=torch.uint8, count=nbytes, offset=offset)
+            if nbytes
+            else torch.empty(0, dtype=torch.uint8)
+        )
+        tensors[name] = flat.view(dtype).reshape(shape)
+        offset += nbytes
+    if offset != len(buf):
+        raise WireError(f"{len(buf) - offset} trailing bytes after the last tensor")
+    return Message(kind=kind, src=src, dst=dst, round=rnd, tensors=tensors, meta=meta)

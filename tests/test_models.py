@@ -1,0 +1,197 @@
+"""Tests for p2pfl.models: builders, option checks, FLOP counting and state helpers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from p2pfl.errors import ConfigError
+from p2pfl.models import (
+    MODELS,
+    Hidden,
+    average_states,
+    build_model,
+    clone_state,
+    forward_flops,
+    state_bytes,
+)
+
+DIGITS, MNIST, CIFAR = (1, 8, 8), (1, 28, 28), (3, 32, 32)
+
+
+def n_params(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("shape", [DIGITS, MNIST, CIFAR])
+@pytest.mark.parametrize("name", ["mlp", "lenet", "cnn3", "cnn_s", "resnet18"])
+def test_every_model_maps_a_batch_to_class_logits(name: str, shape: tuple[int, int, int]) -> None:
+    torch.manual_seed(0)
+    model = build_model({"name": name}, shape, 10)
+    assert model(torch.randn(2, *shape)).shape == (2, 10)
+    assert all(t.device.type == "cpu" for t in model.state_dict().values())
+
+
+def test_registry_lists_every_builder() -> None:
+    assert MODELS.names() == ["cnn3", "cnn_s", "lenet", "mlp", "resnet18"]
+
+
+def test_mlp_parameter_counts() -> None:
+    assert n_params(build_model({"name": "mlp"}, MNIST, 10)) == 159_010
+    ma_echo = build_model({"name": "mlp", "hidden": [400, 200, 100], "bias": False}, MNIST, 10)
+    assert n_params(ma_echo) == 784 * 400 + 400 * 200 + 200 * 100 + 100 * 10
+    assert not any("bias" in name for name, _ in ma_echo.named_parameters())
+
+
+def test_mlp_without_hidden_layers_is_logistic_regression() -> None:
+    model = build_model({"name": "mlp", "hidden": []}, DIGITS, 10)
+    assert [type(m) for m in model] == [nn.Flatten, nn.Linear]
+    assert n_params(model) == 64 * 10 + 10
+
+
+def test_lenet_matches_the_papers() -> None:
+    # FedFisher's bias-free FMNIST LeNet: d = 44,190 (fc 256 -> 120).
+    fedfisher = build_model({"name": "lenet", "bias": False}, MNIST, 10)
+    assert n_params(fedfisher) == 44_190
+    assert not any("bias" in name for name, _ in fedfisher.named_parameters())
+    # FedELMY's SimpleCNN on 32x32: fc 400 -> 120.
+    assert build_model({"name": "lenet"}, CIFAR, 7).fc1.layer.in_features == 400
+    # Tiny digits are padded; an explicit padding overrides the default.
+    assert build_model({"name": "lenet"}, DIGITS, 10).conv1.layer.padding == (2, 2)
+    assert build_model({"name": "lenet", "padding": 2}, MNIST, 10).fc1.layer.in_features == 784
+
+
+def test_cnn3_and_cnn_s_flatten_sizes() -> None:
+    assert build_model({"name": "cnn3"}, CIFAR, 10).out.in_features == 2048
+    assert build_model({"name": "cnn3"}, MNIST, 10).out.in_features == 128 * 3 * 3
+    assert build_model({"name": "cnn3", "width": 8}, DIGITS, 10).out.in_features == 8 * 2 * 2
+    assert build_model({"name": "cnn_s"}, MNIST, 10).out.in_features == 784
+
+
+def test_hidden_layers_have_one_activation_each_and_the_output_none() -> None:
+    model = build_model({"name": "lenet"}, MNIST, 10)
+    hidden = [m for m in model if isinstance(m, Hidden)]
+    assert len(hidden) == 4 and all(isinstance(h.act, nn.ReLU) for h in hidden)
+    assert isinstance(model.out, nn.Linear)
+    cnn_s = build_model({"name": "cnn_s"}, MNIST, 10)
+    assert isinstance(cnn_s.conv1.norm, nn.BatchNorm2d)
+
+
+def test_resnet18_is_cifar_style() -> None:
+    model = build_model({"name": "resnet18"}, MNIST, 10)
+    assert model.conv1.in_channels == 1
+    assert model.conv1.kernel_size == (3, 3) and model.conv1.stride == (1, 1)
+    assert not any(isinstance(m, nn.MaxPool2d) for m in model.modules())
+    assert any(isinstance(m, nn.BatchNorm2d) for m in model.modules())
+
+
+@pytest.mark.parametrize(("norm", "kind"), [("none", nn.Identity), ("group", nn.GroupNorm)])
+def test_resnet18_norm_swaps_batchnorm(norm: str, kind: type[nn.Module]) -> None:
+    model = build_model({"name": "resnet18", "norm": norm}, CIFAR, 10)
+    assert not any(isinstance(m, nn.BatchNorm2d) for m in model.modules())
+    assert isinstance(model.bn1, kind) and isinstance(model.layer2[0].downsample[1], kind)
+    if norm == "none":
+        assert not any(n.endswith("bias") for n, _ in model.named_parameters() if n != "fc.bias")
+
+
+@pytest.mark.parametrize(
+    ("options", "key"),
+    [
+        ({"name": "mlp", "hidden": [100, 0]}, "hidden"),
+        ({"name": "mlp", "hidden": "wide"}, "hidden"),
+        ({"name": "mlp", "depth": 3}, "depth"),
+        ({"name": "cnn3", "width": 0}, "width"),
+        ({"name": "lenet", "padding": -1}, "padding"),
+        ({"name": "resnet18", "norm": "layer"}, "norm"),
+        ({"name": "vgg"}, "name"),
+        ({}, "name"),
+        ({"name": "lenet", "padding": 0}, "name"),  # 8x8 is too small for unpadded convs
+    ],
+)
+def test_bad_options_name_their_key(options: dict, key: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        build_model(options, DIGITS, 10)
+    assert err.value.key == key
+
+
+def test_forward_flops_of_an_mlp_is_exact() -> None:
+    model = build_model({"name": "mlp", "hidden": [32]}, DIGITS, 10)
+    assert forward_flops(model, DIGITS) == 2 * (64 * 32 + 32 * 10)
+
+
+def test_forward_flops_of_a_conv_follows_the_formula() -> None:
+    conv = nn.Conv2d(4, 6, (3, 5), stride=2, padding=1, groups=2)
+    out = conv(torch.zeros(1, 4, 11, 13))
+    expected = 2 * (4 // 2) * 3 * 5 * 6 * out.shape[2] * out.shape[3]
+    assert forward_flops(conv, (4, 11, 13)) == expected
+
+
+def test_forward_flops_leaves_batchnorm_state_and_mode_alone() -> None:
+    model = build_model({"name": "cnn_s"}, DIGITS, 10)
+    before = clone_state(model.state_dict())
+    assert forward_flops(model, DIGITS) > 0
+    assert model.training
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_state_bytes_and_clone_state() -> None:
+    state = {"w": torch.ones(3, 4), "n": torch.tensor(5), "h": torch.ones(2, dtype=torch.half)}
+    assert state_bytes(state) == 12 * 4 + 8 + 2 * 2
+    w = nn.Parameter(torch.ones(2))
+    copy = clone_state({"w": w})
+    w.data.add_(1)
+    assert torch.equal(copy["w"], torch.ones(2)) and not copy["w"].requires_grad
+
+
+def test_average_of_two_states_is_the_elementwise_mean() -> None:
+    a = {"w": torch.randn(3, 4), "b": torch.randn(4)}
+    b = {"w": torch.randn(3, 4), "b": torch.randn(4)}
+    mean = average_states([a, b])
+    for k, value in a.items():
+        assert mean[k].dtype == torch.float32
+        torch.testing.assert_close(mean[k], (value + b[k]) / 2)
+
+
+def test_average_respects_unnormalised_weights() -> None:
+    a, b = {"w": torch.zeros(3)}, {"w": torch.full((3,), 4.0)}
+    assert torch.equal(average_states([a, b], [1, 3])["w"], torch.full((3,), 3.0))
+    assert torch.equal(average_states([a, b], [0.0, 2.0])["w"], b["w"])
+
+
+def test_average_rounds_integer_buffers() -> None:
+    states = [{"n": torch.tensor(2)}, {"n": torch.tensor(5)}]
+    out = average_states(states, [1, 3])["n"]  # (2 + 15) / 4 = 4.25
+    assert out.dtype == torch.int64 and out.item() == 4
+
+
+def test_average_of_identical_states_is_bit_identical() -> None:
+    torch.manual_seed(1)
+    model = build_model({"name": "cnn_s"}, DIGITS, 10)
+    model(torch.randn(4, *DIGITS))  # non-trivial BN running stats and counter
+    state = clone_state(model.state_dict())
+    for weights in (None, [0.1, 0.7, 0.2]):
+        mean = average_states([state, clone_state(state), clone_state(state)], weights)
+        assert all(
+            torch.equal(mean[k], state[k]) and mean[k].dtype == state[k].dtype for k in state
+        )
+
+
+@pytest.mark.parametrize(
+    ("other", "weights"),
+    [
+        ({"w": torch.zeros(2), "extra": torch.zeros(1)}, None),
+        ({"v": torch.zeros(2)}, None),
+        ({"w": torch.zeros(3)}, None),
+        ({"w": torch.zeros(2, dtype=torch.float64)}, None),
+        ({"w": torch.zeros(2)}, [1.0]),
+        ({"w": torch.zeros(2)}, [1.0, -1.0]),
+        ({"w": torch.zeros(2)}, [0.0, 0.0]),
+    ],
+)
+def test_average_rejects_mismatches(other: dict, weights: list[float] | None) -> None:
+    with pytest.raises(ValueError):
+        average_states([{"w": torch.zeros(2)}, other], weights)
+    with pytest.raises(ValueError):
+        average_states([])
