@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from p2pfl.data.federated import PeerData
 from p2pfl.wire import Meta
 
 State = dict[str, torch.Tensor]
@@ -69,11 +70,43 @@ class Train:
 
 
 @dataclass(frozen=True)
+class Compute:
+    """Run ``fn(module, data, device)`` with ``state`` loaded, on this peer's own data.
+
+    For local statistics (projection matrices, Fisher information, activations); returns
+    what ``fn`` returns. The compute model charges ``passes`` forward+backward passes over
+    the peer's training set.
+    """
+
+    state: State
+    fn: Callable[[nn.Module, PeerData, torch.device], Any]
+    passes: float = 1.0
+
+
+@dataclass(frozen=True)
 class Evaluate:
     """Score ``state`` on the global test set and log accuracy and loss; returns ``(acc, loss)``."""
 
     state: State
     round: int
+
+
+@dataclass(frozen=True)
+class Report:
+    """Score ``state`` on the global test set and record it in ``summary.json`` under
+    ``baselines[name]`` (e.g. one-shot FedAvg computed from the same local models)."""
+
+    name: str
+    state: State
+
+
+@dataclass(frozen=True)
+class Artifact:
+    """Save a matrix of this run as ``NAME.csv`` and a heat-map ``NAME.png`` in the run dir."""
+
+    name: str
+    matrix: torch.Tensor
+    title: str = ""
 
 
 @dataclass(frozen=True)
@@ -97,5 +130,5 @@ class Finish:
     output: bool = False
 
 
-Effect = Send | Recv | Train | Evaluate | Log | Finish
+Effect = Send | Recv | Train | Compute | Evaluate | Report | Artifact | Log | Finish
 Behaviour = Generator[Effect, Any, None]

@@ -107,7 +107,7 @@ def run(setup: Setup, out: Path, progress: bool = False) -> dict[str, Any]:
     ledger, metrics = Ledger(out / "comm.csv"), MetricsLog(out / "metrics.csv")
     worker = Worker(
         setup.trainer, setup.data, setup.train, setup.population, setup.topology, setup.seed,
-        metrics, setup.eval.every, setup.method.rounds(setup.topology.num_peers), progress,
+        metrics, setup.eval.every, setup.method.rounds(setup.topology.num_peers), out, progress,
     )  # fmt: skip
     runtime = SimRuntime(setup.topology, worker, ledger)
     start = time.perf_counter()
@@ -115,6 +115,8 @@ def run(setup: Setup, out: Path, progress: bool = False) -> dict[str, Any]:
         behaviours = {n: setup.method.behaviour(ctx) for n, ctx in setup.contexts().items()}
         finals = runtime.run(behaviours)
         summary |= _results(setup, worker, finals, runtime.now, metrics)
+        if worker.baselines:
+            summary["baselines"] = worker.baselines
         summary["status"] = "ok"
     except Exception as e:
         summary |= {"status": "failed", "error": f"{type(e).__name__}: {e}"}

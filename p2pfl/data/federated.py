@@ -16,10 +16,10 @@ import torch
 from p2pfl.data.datasets import Dataset
 from p2pfl.data.partition import PARTITIONERS, rotations
 from p2pfl.errors import ConfigError
+from p2pfl.heatmap import save_heatmap
 from p2pfl.options import bind_with_common
 
 _PARTITION_TAG = 2  # mixes into the run seed so the partition is its own random stream
-_ANNOTATE_MAX_CELLS = 400  # heat-map cells beyond which counts are not written in
 
 
 @dataclass
@@ -122,8 +122,6 @@ def rotate(x: torch.Tensor, angle: float, fill: list[float]) -> torch.Tensor:
 def save_partition(data: FederatedData, out_dir: Path) -> None:
     """Write ``partition.csv`` (per-peer class counts and totals) and ``partition.png`` (a
     peers x classes heat-map) to ``out_dir``."""
-    from matplotlib.figure import Figure  # renders with Agg, no pyplot state
-
     out_dir.mkdir(parents=True, exist_ok=True)
     counts = data.counts
     with (out_dir / "partition.csv").open("w", newline="") as f:
@@ -133,20 +131,11 @@ def save_partition(data: FederatedData, out_dir: Path) -> None:
             writer.writerow([i, *row.tolist(), int(row.sum())])
 
     peers, classes = counts.shape
-    fig = Figure(figsize=(1.5 + 0.5 * classes, 1.2 + 0.4 * peers), layout="constrained")
-    ax = fig.add_subplot()
-    image = ax.imshow(counts, cmap="viridis", aspect="auto")
-    fig.colorbar(image, ax=ax, label="samples")
-    ax.set(
+    save_heatmap(
+        counts,
+        out_dir / "partition.png",
         title=f"Samples per peer and class ({peers} peers, {int(counts.sum())} samples)",
         xlabel="class",
         ylabel="peer",
-        xticks=range(classes),
-        yticks=range(peers),
+        colorbar="samples",
     )
-    if counts.size <= _ANNOTATE_MAX_CELLS:
-        threshold = counts.max() / 2
-        for (i, c), v in np.ndenumerate(counts):
-            color = "black" if v > threshold else "white"
-            ax.text(c, i, str(v), ha="center", va="center", fontsize=7, color=color)
-    fig.savefig(out_dir / "partition.png", dpi=100)

@@ -4,8 +4,8 @@
   sender's uplink (one transfer at a time, FIFO), holds the uplink for 8·bytes/bandwidth
   seconds, then the message arrives ``latency_s`` later and is recorded in the ledger.
 - ``Recv`` blocks until enough matching messages are in the node's mailbox.
-- ``Train`` advances the node's clock by its modelled (or measured) compute time.
-- ``Evaluate``, ``Log`` and ``Finish`` take no simulated time.
+- ``Train`` and ``Compute`` advance the node's clock by their modelled (or measured) time.
+- ``Evaluate``, ``Report``, ``Artifact``, ``Log`` and ``Finish`` take no simulated time.
 
 Event order is deterministic, so the same config and seed replay bit for bit. If every
 process is blocked while some node still waits, the run fails naming who waits for what.
@@ -18,7 +18,18 @@ from typing import Any
 
 import simpy
 
-from p2pfl.effects import Behaviour, Evaluate, Finish, Log, Recv, Send, Train
+from p2pfl.effects import (
+    Artifact,
+    Behaviour,
+    Compute,
+    Evaluate,
+    Finish,
+    Log,
+    Recv,
+    Report,
+    Send,
+    Train,
+)
 from p2pfl.errors import RunError
 from p2pfl.ledger import Ledger
 from p2pfl.runtime.worker import Worker
@@ -100,6 +111,13 @@ class SimRuntime:
             elif isinstance(eff, Train):
                 value, seconds = self.worker.train(node, eff)
                 yield self.env.timeout(seconds)
+            elif isinstance(eff, Compute):
+                value, seconds = self.worker.compute(node, eff)
+                yield self.env.timeout(seconds)
+            elif isinstance(eff, Report):
+                value = self.worker.report(node, eff)
+            elif isinstance(eff, Artifact):
+                self.worker.artifact(node, eff)
             elif isinstance(eff, Evaluate):
                 value = self.worker.evaluate(node, eff, self.env.now)
             elif isinstance(eff, Log):

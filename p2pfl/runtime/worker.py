@@ -6,11 +6,16 @@ and the metrics log, and says how many simulated seconds each piece of compute c
 
 from __future__ import annotations
 
+import time
+from pathlib import Path
+from typing import Any
+
 import torch
 from tqdm import tqdm
 
 from p2pfl.data.federated import FederatedData
-from p2pfl.effects import Evaluate, Log, Train
+from p2pfl.effects import Artifact, Compute, Evaluate, Log, Report, Train
+from p2pfl.heatmap import save_heatmap, save_matrix_csv
 from p2pfl.metrics import MetricsLog
 from p2pfl.peers import Population
 from p2pfl.seeding import torch_generator
@@ -32,6 +37,7 @@ class Worker:
         metrics: MetricsLog,
         eval_every: int,
         total_rounds: int,
+        out: Path | None = None,
         progress: bool = False,
     ) -> None:
         self.trainer = trainer
@@ -43,6 +49,8 @@ class Worker:
         self.metrics = metrics
         self.eval_every = eval_every
         self.total_rounds = total_rounds
+        self.out = out
+        self.baselines: dict[str, float] = {}
         self._bar = tqdm(total=total_rounds, unit="round", disable=not progress, leave=False)
         self._devices = {
             p: resolve_device(prof.device) for p, prof in enumerate(population.profiles)
@@ -64,10 +72,42 @@ class Worker:
         result = self.trainer.train(
             eff.state, self.data.peers[node], cfg, gen, self.device(node), eff.regularizer
         )
+        return result, self._seconds(node, self.trainer.compute_flops(result), result.wall_s)
+
+    def compute(self, node: int, eff: Compute) -> tuple[Any, float]:
+        """Run a local statistic on the node's data; return it with its simulated duration."""
+        start = time.perf_counter()
+        module = self.trainer.module(self.device(node))
+        module.load_state_dict(eff.state)
+        result = eff.fn(module, self.data.peers[node], self.device(node))
+        wall = time.perf_counter() - start
+        self.trainer.busy_s += wall
+        samples = eff.passes * self.data.peers[node].num_train
+        return result, self._seconds(node, 3.0 * self.trainer.forward_flops * samples, wall)
+
+    def _seconds(self, node: int, flops: float, wall_s: float) -> float:
+        """Simulated duration of a compute step on ``node`` (modelled or measured)."""
         speed = self.population.profiles[node].speed
         if self.population.compute == "measured":
-            return result, result.wall_s / speed
-        return result, self.trainer.compute_flops(result) / (self.population.flops_per_s * speed)
+            return wall_s / speed
+        return flops / (self.population.flops_per_s * speed)
+
+    def report(self, node: int, eff: Report) -> tuple[float, float]:
+        """Score a baseline model and keep its accuracy for ``summary.json``."""
+        acc, loss = self.trainer.evaluate(
+            eff.state, self.data.test_x, self.data.test_y, self.device(node)
+        )
+        self.baselines[eff.name] = acc
+        return acc, loss
+
+    def artifact(self, node: int, eff: Artifact) -> None:
+        """Write a matrix as CSV and heat-map into the run directory."""
+        if self.out is None:
+            return
+        matrix = eff.matrix.detach().cpu().numpy()
+        save_matrix_csv(matrix, self.out / f"{eff.name}.csv")
+        title = eff.title or f"{eff.name} ({self.topology.name(node)})"
+        save_heatmap(matrix, self.out / f"{eff.name}.png", title, "column", "row")
 
     def evaluate(self, node: int, eff: Evaluate, now: float) -> tuple[float, float] | None:
         """Score on the global test set when the round is due (``eval.every``, and the last)."""

@@ -1,0 +1,46 @@
+"""Matrix pictures shared by every report: partition counts, pool distances, ..."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+import numpy as np
+
+ANNOTATE_MAX_CELLS = 400  # beyond this many cells the values are not written in
+
+
+def save_heatmap(
+    matrix: np.ndarray,
+    path: Path,
+    title: str,
+    xlabel: str,
+    ylabel: str,
+    colorbar: str = "",
+) -> None:
+    """A heat-map PNG of ``matrix`` with a colour bar; values written in when it is small."""
+    from matplotlib.figure import Figure  # renders with Agg, no pyplot state
+
+    rows, cols = matrix.shape
+    fig = Figure(figsize=(1.5 + 0.5 * cols, 1.2 + 0.4 * rows), layout="constrained")
+    ax = fig.add_subplot()
+    image = ax.imshow(matrix, cmap="viridis", aspect="auto")
+    fig.colorbar(image, ax=ax, label=colorbar)
+    ax.set(title=title, xlabel=xlabel, ylabel=ylabel, xticks=range(cols), yticks=range(rows))
+    if matrix.size <= ANNOTATE_MAX_CELLS:
+        threshold = (matrix.max() + matrix.min()) / 2
+        integer = np.issubdtype(matrix.dtype, np.integer)
+        for (i, c), v in np.ndenumerate(matrix):
+            text = str(v) if integer else f"{v:.3g}"
+            color = "black" if v > threshold else "white"
+            ax.text(c, i, text, ha="center", va="center", fontsize=7, color=color)
+    fig.savefig(path, dpi=100)
+
+
+def save_matrix_csv(matrix: np.ndarray, path: Path, row: str = "row", col: str = "col") -> None:
+    """``matrix`` as CSV: a header ``row, col_0, col_1, ...`` then one line per row."""
+    with path.open("w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow([row, *(f"{col}_{j}" for j in range(matrix.shape[1]))])
+        for i, values in enumerate(matrix.tolist()):
+            writer.writerow([i, *values])
