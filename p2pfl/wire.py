@@ -1,11 +1,15 @@
-"""What crosses the network: a message of named tensors plus a small JSON header.
+"""What crosses the network: a message of named tensors plus a small header.
 
 Frame layout (all integers little-endian)::
 
-    b"P2PF" | u32 header length | header (UTF-8 JSON) | tensor bytes, back to back
+    fixed prefix: b"P2PF" | u8 version | u8 kind | u16 0 | i32 src | i32 dst | i32 round
+                  | u32 CRC-32 of the tensor bytes | u32 schema length
+    schema (UTF-8 JSON): {"meta": {...}, "tensors": [{name, dtype, shape}, ...]}
+    tensor bytes, back to back
 
-The header holds the format version, sender, receiver, kind, round, a small ``meta``
-mapping, one ``{name, dtype, shape}`` entry per tensor and the CRC-32 of the tensor bytes.
+The fields that change from message to message (sender, receiver, round, checksum) have
+fixed widths, so two messages with the same tensors and meta have exactly the same size:
+the ledger's arithmetic (e.g. 2·K·M bytes per FedAvg round) holds to the byte.
 Nothing is pickled: decoding only parses JSON and reinterprets raw bytes as tensors, after
 checking every length, dtype and shape against hard limits.
 """
@@ -24,7 +28,7 @@ import torch
 MAGIC = b"P2PF"
 VERSION = 1
 KINDS = ("model", "statistics", "control")
-MAX_HEADER_BYTES = 1 << 20
+MAX_SCHEMA_BYTES = 1 << 20
 MAX_FRAME_BYTES = 1 << 32
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -38,7 +42,7 @@ DTYPES: dict[str, torch.dtype] = {
     "bool": torch.bool,
 }
 _NAMES = {v: k for k, v in DTYPES.items()}
-_PREFIX = struct.Struct("<4sI")
+_PREFIX = struct.Struct("<4sBBHiiiII")
 
 Meta = dict[str, Any]
 
@@ -71,25 +75,13 @@ def encode(msg: Message) -> bytes:
         entries.append({"name": name, "dtype": _NAMES[t.dtype], "shape": list(t.shape)})
         blobs.append(t.reshape(-1).view(torch.uint8).numpy().tobytes())
     payload = b"".join(blobs)
-    header = {
-        "v": VERSION,
-        "src": msg.src,
-        "dst": msg.dst,
-        "kind": msg.kind,
-        "round": msg.round,
-        "meta": msg.meta,
-        "tensors": entries,
-        "crc32": zlib.crc32(payload),
-    }
-    head = json.dumps(header, separators=(",", ":"), sort_keys=True).encode()
-    return _PREFIX.pack(MAGIC, len(head)) + head + payload
-
-
-def _int(header: dict, key: str) -> int:
-    value = header.get(key)
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise WireError(f"header field {key!r} must be an integer")
-    return value
+    schema = {"meta": msg.meta, "tensors": entries}
+    head = json.dumps(schema, separators=(",", ":"), sort_keys=True).encode()
+    kind = KINDS.index(msg.kind)
+    prefix = _PREFIX.pack(
+        MAGIC, VERSION, kind, 0, msg.src, msg.dst, msg.round, zlib.crc32(payload), len(head)
+    )
+    return prefix + head + payload
 
 
 def decode(frame: bytes | bytearray | memoryview, max_bytes: int = MAX_FRAME_BYTES) -> Message:
@@ -99,27 +91,25 @@ def decode(frame: bytes | bytearray | memoryview, max_bytes: int = MAX_FRAME_BYT
         raise WireError(f"frame of {len(view)} bytes exceeds the limit of {max_bytes}")
     if len(view) < _PREFIX.size:
         raise WireError("frame shorter than its fixed prefix")
-    magic, head_len = _PREFIX.unpack_from(view)
+    magic, version, kind, _, src, dst, rnd, crc, head_len = _PREFIX.unpack_from(view)
     if magic != MAGIC:
         raise WireError("bad magic bytes")
-    if head_len > MAX_HEADER_BYTES or _PREFIX.size + head_len > len(view):
-        raise WireError("header length out of range")
+    if version != VERSION:
+        raise WireError(f"unsupported version {version}")
+    if kind >= len(KINDS):
+        raise WireError(f"unknown kind code {kind}")
+    if head_len > MAX_SCHEMA_BYTES or _PREFIX.size + head_len > len(view):
+        raise WireError("schema length out of range")
     try:
-        header = json.loads(bytes(view[_PREFIX.size : _PREFIX.size + head_len]))
+        schema = json.loads(bytes(view[_PREFIX.size : _PREFIX.size + head_len]))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise WireError(f"header is not JSON: {e}") from None
-    if not isinstance(header, dict):
-        raise WireError("header is not a JSON object")
-    if header.get("v") != VERSION:
-        raise WireError(f"unsupported version {header.get('v')!r}")
-    kind = header.get("kind")
-    if kind not in KINDS:
-        raise WireError(f"unknown kind {kind!r}")
-    src, dst, rnd, crc = (_int(header, k) for k in ("src", "dst", "round", "crc32"))
-    meta = header.get("meta")
-    entries = header.get("tensors")
+        raise WireError(f"schema is not JSON: {e}") from None
+    if not isinstance(schema, dict):
+        raise WireError("schema is not a JSON object")
+    meta = schema.get("meta")
+    entries = schema.get("tensors")
     if not isinstance(meta, dict) or not isinstance(entries, list):
-        raise WireError("header fields 'meta' and 'tensors' must be an object and a list")
+        raise WireError("schema fields 'meta' and 'tensors' must be an object and a list")
     payload = view[_PREFIX.size + head_len :]
     if zlib.crc32(payload) != crc:
         raise WireError("checksum mismatch")
@@ -152,4 +142,4 @@ def decode(frame: bytes | bytearray | memoryview, max_bytes: int = MAX_FRAME_BYT
         offset += nbytes
     if offset != len(buf):
         raise WireError(f"{len(buf) - offset} trailing bytes after the last tensor")
-    return Message(kind=kind, src=src, dst=dst, round=rnd, tensors=tensors, meta=meta)
+    return Message(KINDS[kind], src, dst, rnd, tensors, meta)

@@ -3,8 +3,9 @@
 Each round the server sends the global model to K = max(1, round(participation * N))
 peers drawn from the round's seeded stream, each trains ``train.epochs`` and sends its
 model back, and the server takes their sample-weighted mean. One round moves 2·K·M model
-bytes. ``rounds: 1`` with ``participation: 1`` is one-shot FedAvg. At the end the server
-tells every peer to stop (one small ``control`` message each).
+bytes; with ``weighting: samples`` each peer also sends its sample count in a small
+``control`` message. ``rounds: 1`` with ``participation: 1`` is one-shot FedAvg. At the
+end the server tells every peer to stop (one ``control`` message each).
 """
 
 from __future__ import annotations
@@ -59,16 +60,17 @@ class FedAvg(Method):
             chosen = self.sample(ctx, r)
             for p in chosen:
                 yield Send(p, "model", r, state)
-            replies = yield Recv(count=len(chosen), round=r)
-            state = self.aggregate(state, replies)
+            models = yield Recv(count=len(chosen), round=r)
+            weights = [1] * len(models)
+            if self.weighting == "samples":
+                sizes = yield Recv(kinds=("control",), count=len(chosen), round=r)
+                count = {m.src: m.meta["num_samples"] for m in sizes}
+                weights = [count[m.src] for m in models]
+            state = average_states([m.tensors for m in models], weights)
             yield Evaluate(state, r)
         for p in ctx.peers:
             yield Send(p, "control", self.num_rounds, {}, {"stop": True})
         yield Finish(state, output=True)
-
-    def aggregate(self, state: State, replies: list) -> State:
-        weights = [m.meta["num_samples"] if self.weighting == "samples" else 1 for m in replies]
-        return average_states([m.tensors for m in replies], weights)
 
     def client(self, ctx: NodeContext) -> Behaviour:
         held = ctx.init_state()
@@ -78,7 +80,9 @@ class FedAvg(Method):
                 break
             result = yield self.local_train(msg.tensors, msg.round)
             held = result.state
-            yield Send(msg.src, "model", msg.round, held, {"num_samples": ctx.num_samples})
+            yield Send(msg.src, "model", msg.round, held)
+            if self.weighting == "samples":
+                yield Send(msg.src, "control", msg.round, {}, {"num_samples": ctx.num_samples})
         yield Finish(held)
 
     def local_train(self, state: State, round: int) -> Train:

@@ -1,0 +1,43 @@
+"""Shared helpers: small, fast experiments on the built-in digits data."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from p2pfl.config import resolve
+from p2pfl.experiment import build, run
+
+ROOT = Path(__file__).resolve().parent.parent
+FMNIST_DIR = Path("/usr/share/datasets/fashion-mnist")
+
+BASE: dict[str, Any] = {
+    "name": "test",
+    "seed": 0,
+    "dataset": {"name": "digits"},
+    "partition": {"name": "iid"},
+    "model": {"name": "mlp", "hidden": [32]},
+    "topology": {"kind": "star"},
+    "peers": {"count": 4},
+    "algorithm": {"name": "fedavg", "rounds": 2},
+    "train": {"epochs": 1, "batch_size": 32, "lr": 0.05},
+}
+
+
+def experiment(**sections: dict[str, Any] | int | str) -> dict[str, Any]:
+    """A resolved digits experiment; each keyword replaces one whole section."""
+    raw = copy.deepcopy(BASE) | sections
+    return resolve(raw, ROOT / "experiments" / "test.yaml")
+
+
+def run_experiment(out: Path, **sections: dict[str, Any] | int | str) -> dict[str, Any]:
+    """Build and run a digits experiment into ``out``; returns summary.json's content."""
+    return run(build(experiment(**sections)), out)
+
+
+needs_fmnist = pytest.mark.skipif(
+    not FMNIST_DIR.is_dir(), reason="Debian package dataset-fashion-mnist not installed"
+)

@@ -1,0 +1,121 @@
+"""The SimPy runtime's network model: exact link timing, uplink queueing, deadlocks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from p2pfl.effects import Finish, Recv, Send
+from p2pfl.errors import RunError
+from p2pfl.ledger import Ledger
+from p2pfl.runtime.sim import SimRuntime
+from p2pfl.topology import build_topology
+from p2pfl.wire import Message, encode
+
+LATENCY, BANDWIDTH = 0.25, 8.0e6  # 250 ms, 1 MB/s
+
+
+def two_peers():
+    link = {"latency_s": LATENCY, "bandwidth_bps": BANDWIDTH}
+    return build_topology({"kind": "edges", "edges": [[0, 1]], "link": link}, 2, 0)
+
+
+def payload(n: int) -> dict[str, torch.Tensor]:
+    return {"w": torch.arange(n, dtype=torch.float32)}
+
+
+def frame_bytes(tensors: dict[str, torch.Tensor]) -> int:
+    return len(encode(Message("model", 0, 1, 1, tensors)))
+
+
+def run_pair(sender, receiver) -> tuple[SimRuntime, Ledger]:
+    ledger = Ledger()
+    sim = SimRuntime(two_peers(), worker=None, ledger=ledger)  # no Train/Evaluate used here
+    sim.run({0: sender(sim), 1: receiver(sim)})
+    return sim, ledger
+
+
+def test_one_message_arrives_after_latency_plus_transfer_time():
+    arrivals = []
+    tensors = payload(100_000)
+
+    def sender(sim):
+        yield Send(1, "model", 1, tensors)
+        yield Finish(None)
+
+    def receiver(sim):
+        (msg,) = yield Recv()
+        arrivals.append(sim.now)
+        assert torch.equal(msg.tensors["w"], tensors["w"])
+        yield Finish(None)
+
+    _, ledger = run_pair(sender, receiver)
+    m = frame_bytes(tensors)
+    assert arrivals == [LATENCY + 8 * m / BANDWIDTH]
+    assert ledger.total_bytes == m and ledger.messages == 1
+
+
+def test_two_messages_on_one_uplink_queue_one_transfer_apart():
+    arrivals = []
+    tensors = payload(50_000)
+
+    def sender(sim):
+        yield Send(1, "model", 1, tensors)
+        yield Send(1, "model", 2, tensors)
+        yield Finish(None)
+
+    def receiver(sim):
+        for r in (1, 2):
+            yield Recv(round=r)
+            arrivals.append(sim.now)
+        yield Finish(None)
+
+    run_pair(sender, receiver)
+    transfer = 8 * frame_bytes(tensors) / BANDWIDTH
+    assert arrivals[0] == pytest.approx(LATENCY + transfer, rel=1e-12)
+    assert arrivals[1] - arrivals[0] == pytest.approx(transfer, rel=1e-12)
+
+
+def test_recv_returns_messages_sorted_by_sender_not_arrival():
+    topo = build_topology({"kind": "star"}, 3, 0)
+    got = []
+
+    def peer(i):
+        def behaviour(sim):
+            yield Send(topo.server, "model", 1, payload(10 * (3 - i)))  # peer 0 is slowest
+            yield Finish(None)
+
+        return behaviour
+
+    def server(sim):
+        msgs = yield Recv(count=3)
+        got.extend(m.src for m in msgs)
+        yield Finish(None)
+
+    sim = SimRuntime(topo, worker=None, ledger=Ledger())
+    sim.run({0: peer(0)(sim), 1: peer(1)(sim), 2: peer(2)(sim), 3: server(sim)})
+    assert got == [0, 1, 2]
+
+
+def test_deadlock_is_reported_with_who_waits_for_what():
+    def waiter(sim):
+        yield Recv(kinds=("statistics",), round=7)
+        yield Finish(None)
+
+    def quiet(sim):
+        yield Finish(None)
+
+    with pytest.raises(RunError, match=r"0 waits for 1 statistics message\(s\) of round 7"):
+        run_pair(lambda sim: waiter(sim), quiet)
+
+
+def test_sending_to_a_non_neighbour_fails():
+    topo = build_topology({"kind": "ring"}, 5, 0)
+
+    def bad(sim):
+        yield Send(2, "model", 1, payload(3))
+        yield Finish(None)
+
+    sim = SimRuntime(topo, worker=None, ledger=Ledger())
+    with pytest.raises(RunError, match="not its neighbour"):
+        sim.run({0: bad(sim)})
