@@ -64,7 +64,10 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    try:
+        args = parser().parse_args(argv)
+    except SystemExit as e:  # --help, or a bad argument already reported in one line
+        return int(e.code or 0)
     try:
         return {"run": cmd_run}[args.command](args)
     except ConfigError as e:
