@@ -63,29 +63,39 @@ class WireError(ValueError):
     """A frame that is not a valid p2pfl message (the reason says why)."""
 
 
-def encode(msg: Message) -> bytes:
-    """Serialize ``msg`` to one frame (tensors are written as contiguous CPU bytes)."""
+def encode(msg: Message) -> bytearray:
+    """Serialize ``msg`` to one frame; each tensor's bytes are copied once, into the frame."""
     if msg.kind not in KINDS:
         raise ValueError(f"unknown message kind {msg.kind!r}")
-    entries, blobs = [], []
+    entries, arrays = [], []
     for name, t in msg.tensors.items():
-        t = t.detach().to("cpu").contiguous()
         if t.dtype not in _NAMES:
             raise ValueError(f"tensor {name!r} has unsupported dtype {t.dtype}")
         entries.append({"name": name, "dtype": _NAMES[t.dtype], "shape": list(t.shape)})
-        blobs.append(t.reshape(-1).view(torch.uint8).numpy().tobytes())
-    payload = b"".join(blobs)
+        arrays.append(t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy())
     schema = {"meta": msg.meta, "tensors": entries}
     head = json.dumps(schema, separators=(",", ":"), sort_keys=True).encode()
+    start = _PREFIX.size + len(head)
+    frame = bytearray(start + sum(a.nbytes for a in arrays))
+    frame[_PREFIX.size : start] = head
+    out, crc, offset = memoryview(frame), 0, start
+    for a in arrays:
+        out[offset : offset + a.nbytes] = a
+        crc = zlib.crc32(a, crc)
+        offset += a.nbytes
     kind = KINDS.index(msg.kind)
-    prefix = _PREFIX.pack(
-        MAGIC, VERSION, kind, 0, msg.src, msg.dst, msg.round, zlib.crc32(payload), len(head)
+    _PREFIX.pack_into(
+        frame, 0, MAGIC, VERSION, kind, 0, msg.src, msg.dst, msg.round, crc, len(head)
     )
-    return prefix + head + payload
+    return frame
 
 
 def decode(frame: bytes | bytearray | memoryview, max_bytes: int = MAX_FRAME_BYTES) -> Message:
-    """Parse and check one frame; raise :class:`WireError` with the reason if it is bad."""
+    """Parse and check one frame; raise :class:`WireError` with the reason if it is bad.
+
+    A ``bytearray`` frame is taken over: the tensors view into it without a copy. Any other
+    buffer (``bytes``, a socket's read-only memoryview) is copied once.
+    """
     view = memoryview(frame)
     if len(view) > max_bytes:
         raise WireError(f"frame of {len(view)} bytes exceeds the limit of {max_bytes}")
@@ -115,7 +125,7 @@ def decode(frame: bytes | bytearray | memoryview, max_bytes: int = MAX_FRAME_BYT
         raise WireError("checksum mismatch")
     tensors: dict[str, torch.Tensor] = {}
     offset = 0
-    buf = bytearray(payload)  # one owned, writable copy that all tensors view into
+    buf = payload if isinstance(frame, bytearray) else memoryview(bytearray(payload))
     for e in entries:
         if not isinstance(e, dict) or not isinstance(e.get("name"), str):
             raise WireError("tensor entry without a name")
