@@ -1,4 +1,5 @@
-"""The ``p2pfl`` command line: ``run`` an experiment (``cost`` and ``plot`` come with their issues).
+"""The ``p2pfl`` command line: ``run`` an experiment (or a sweep), run one ``peer`` of a real
+run, ``keys``, ``cost`` (analytic communication cost) and ``plot`` (pictures of runs).
 
 Exit codes: 0 success; 2 bad config or arguments (one line ``error: FILE: key: reason``);
 1 a run that started and failed (its outputs so far stay on disk).
@@ -25,9 +26,46 @@ def parser() -> argparse.ArgumentParser:
     p = _Parser(prog="p2pfl", description="Peer-to-peer federated-learning simulator.")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
     r = sub.add_parser("run", help="run an experiment file")
-    r.add_argument("experiment", help="experiment YAML file")
+    _experiment_args(r)
     r.add_argument("--out", help="output directory (default runs/NAME-seedN)")
     r.add_argument(
+        "--transport",
+        choices=["sim", "zmq"],
+        default="sim",
+        help="sim: simulated network (default); zmq: one process per peer over ZeroMQ",
+    )
+    r.add_argument("--quiet", action="store_true", help="no progress bar")
+
+    peer = sub.add_parser("peer", help="run one node of a real (ZeroMQ) run, e.g. on another host")
+    _experiment_args(peer)
+    peer.add_argument("--peer", required=True, help="node to run: a peer number or 'server'")
+    where = peer.add_mutually_exclusive_group(required=True)
+    where.add_argument("--addresses", help="YAML file mapping node names to tcp://host:port")
+    where.add_argument("--coordinator", help=argparse.SUPPRESS)  # set by run --transport zmq
+    peer.add_argument("--out", required=True, help="output directory (writes peers/NAME/)")
+
+    keys = sub.add_parser("keys", help="make CURVE key pairs for transport.curve_keys")
+    keys.add_argument("directory", help="where to write NAME.key and NAME.key_secret")
+    keys.add_argument("--peers", type=int, required=True, help="number of peers")
+    keys.add_argument("--server", action="store_true", help="also a key pair for the server")
+
+    cost = sub.add_parser("cost", help="analytic communication cost of methods x topologies")
+    _experiment_args(cost)
+    cost.add_argument("--methods", help="NAME[:KEY=VALUE...],... (default: the experiment's)")
+    cost.add_argument("--topologies", default="ring,mesh,star", help="topology kinds, a,b,c")
+    cost.add_argument("--peers", type=int, help="number of peers (default: the experiment's)")
+    cost.add_argument("--model-bytes", type=int, help="M: count tensor bytes, a model as M")
+    cost.add_argument("--out", help="output directory (default runs/NAME-cost)")
+
+    plot = sub.add_parser("plot", help="pictures of finished runs and sweeps")
+    plot.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run or sweep directories")
+    plot.add_argument("--out", help="output directory (default RUN_DIR/plots, the first one)")
+    return p
+
+
+def _experiment_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("experiment", help="experiment YAML file")
+    p.add_argument(
         "--set",
         dest="sets",
         action="append",
@@ -35,24 +73,35 @@ def parser() -> argparse.ArgumentParser:
         metavar="KEY.PATH=VALUE",
         help="override any key, e.g. --set partition.alpha=0.1 (repeatable)",
     )
-    r.add_argument("--seed", type=int, help="override the experiment's seed")
-    r.add_argument("--transport", choices=["sim"], default="sim", help="how peers talk")
-    r.add_argument("--quiet", action="store_true", help="no progress bar")
-    return p
+    p.add_argument("--seed", type=int, help="override the experiment's seed")
 
 
-def cmd_run(args: argparse.Namespace) -> int:
+def _setup(args: argparse.Namespace):
+    """Load, override and build the experiment (config errors name the file)."""
     from p2pfl.config import load_experiment
-    from p2pfl.experiment import build, run
+    from p2pfl.experiment import build
 
     config = load_experiment(args.experiment, args.sets, args.seed)
     try:
-        setup = build(config)
+        return build(config)
     except ConfigError as e:
         e.file = e.file or args.experiment
         raise
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from p2pfl.experiment import run
+    from p2pfl.sweep import load, run_sweep
+
+    raw, grid = load(args.experiment, args.sets, args.seed)
+    if grid:
+        out = Path(args.out or f"runs/{raw.get('name', Path(args.experiment).stem)}")
+        file = Path(args.experiment)
+        return run_sweep(file, raw, grid, out, not args.quiet, args.transport)
+    setup = _setup(args)
+    config = setup.config
     out = Path(args.out or f"runs/{config['name']}-seed{config['seed']}")
-    summary = run(setup, out, progress=not args.quiet)
+    summary = run(setup, out, progress=not args.quiet, transport=args.transport)
     comm = summary["comm"]
     print(
         f"{config['name']}: {summary['algorithm']} on {summary['num_peers']} peers "
@@ -63,13 +112,67 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_peer(args: argparse.Namespace) -> int:
+    from p2pfl.runtime.launcher import node_id, read_addresses, run_peer
+
+    setup = _setup(args)
+    node = node_id(setup, args.peer)
+    addresses = read_addresses(Path(args.addresses), setup) if args.addresses else None
+    return run_peer(setup, node, Path(args.out), addresses, args.coordinator)
+
+
+def cmd_keys(args: argparse.Namespace) -> int:
+    import zmq.auth
+
+    directory = Path(args.directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    names = [str(i) for i in range(args.peers)] + (["server"] if args.server else [])
+    for name in names:
+        zmq.auth.create_certificates(directory, name)
+    print(f"{len(names)} CURVE key pairs in {directory}; keep the .key_secret files private")
+    return 0
+
+
+def cmd_cost(args: argparse.Namespace) -> int:
+    from p2pfl import cost, plots
+
+    if args.peers is not None:
+        args.sets.append(f"peers.count={args.peers}")
+    if args.model_bytes is not None and args.model_bytes <= 0:
+        raise ConfigError("--model-bytes", "must be > 0")
+    setup = _setup(args)
+    methods = cost.parse_methods(args.methods or setup.config["algorithm"]["name"])
+    kinds = [k.strip() for k in args.topologies.split(",") if k.strip()]
+    rows = cost.analyse(setup, methods, kinds, args.model_bytes)
+    out = Path(args.out or f"runs/{setup.config['name']}-cost")
+    out.mkdir(parents=True, exist_ok=True)
+    cost.write_csv(rows, out / "cost.csv")
+    plots.cost_chart(rows, out)
+    print(cost.sizes_line(setup, args.model_bytes))
+    print(cost.format_table(rows))
+    print(f"wrote {out / 'cost.csv'}, cost.png and cost.svg")
+    return 0
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    from p2pfl.plots import plot_runs
+
+    paths = [Path(r) for r in args.runs]
+    written = plot_runs(paths, Path(args.out) if args.out else paths[0] / "plots")
+    print(f"wrote {len(written)} files: {', '.join(str(p) for p in written)}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         args = parser().parse_args(argv)
     except SystemExit as e:  # --help, or a bad argument already reported in one line
         return int(e.code or 0)
     try:
-        return {"run": cmd_run}[args.command](args)
+        commands = {
+            "run": cmd_run, "peer": cmd_peer, "keys": cmd_keys, "cost": cmd_cost, "plot": cmd_plot,
+        }  # fmt: skip
+        return commands[args.command](args)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

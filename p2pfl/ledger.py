@@ -18,6 +18,7 @@ class Ledger:
         self._writer = csv.writer(self._file) if self._file else None
         if self._writer:
             self._writer.writerow(COMM_COLUMNS)
+            self.flush()
         self.messages = 0
         self.total_bytes = 0
         self.by_kind: dict[str, dict[str, int]] = defaultdict(lambda: {"messages": 0, "bytes": 0})
@@ -31,6 +32,10 @@ class Ledger:
         self.by_kind[kind]["bytes"] += nbytes
         if self._writer:
             self._writer.writerow([_fmt(time), round, src, dst, kind, nbytes, _fmt(arrival)])
+
+    def flush(self) -> None:
+        if self._file:
+            self._file.flush()
 
     def summary(self) -> dict[str, Any]:
         return {

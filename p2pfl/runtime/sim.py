@@ -18,49 +18,28 @@ from typing import Any
 
 import simpy
 
-from p2pfl.effects import (
-    Artifact,
-    Behaviour,
-    Compute,
-    Evaluate,
-    Finish,
-    Log,
-    Recv,
-    Report,
-    Send,
-    Train,
-)
+from p2pfl.codec import Compression
+from p2pfl.effects import Behaviour, Finish, Recv, Send
 from p2pfl.errors import RunError
 from p2pfl.ledger import Ledger
+from p2pfl.runtime.mailbox import describe, take
 from p2pfl.runtime.worker import Worker
 from p2pfl.topology import Topology
 from p2pfl.wire import Message, decode, encode
 
 
-def matches(recv: Recv, msg: Message) -> bool:
-    return (
-        msg.kind in recv.kinds
-        and (recv.round is None or msg.round == recv.round)
-        and (recv.src is None or msg.src == recv.src)
-    )
-
-
-def take(inbox: list[Message], recv: Recv) -> list[Message] | None:
-    """Remove and return ``recv.count`` matching messages (oldest first), sorted by sender."""
-    hits = [i for i, m in enumerate(inbox) if matches(recv, m)][: recv.count]
-    if len(hits) < recv.count:
-        return None
-    taken = [inbox[i] for i in hits]
-    for i in reversed(hits):
-        del inbox[i]
-    return sorted(taken, key=lambda m: m.src)
-
-
 class SimRuntime:
     """Runs one behaviour per node on a SimPy clock with the topology's link model."""
 
-    def __init__(self, topology: Topology, worker: Worker, ledger: Ledger) -> None:
+    def __init__(
+        self,
+        topology: Topology,
+        worker: Worker,
+        ledger: Ledger,
+        compression: Compression | None = None,
+    ) -> None:
         self.env = simpy.Environment()
+        self.compression = compression
         self.topology = topology
         self.worker = worker
         self.ledger = ledger
@@ -92,9 +71,7 @@ class SimRuntime:
         recv = self.waiting.get(node)
         if recv is None:
             return "nothing (it ended without Finish)"
-        src = "" if recv.src is None else f" from {self.topology.name(recv.src)}"
-        rnd = "" if recv.round is None else f" of round {recv.round}"
-        return f"{recv.count} {'/'.join(recv.kinds)} message(s){rnd}{src}"
+        return describe(recv, self.topology.name)
 
     def _drive(self, node: int, gen: Behaviour) -> Generator[simpy.Event, Any, None]:
         value: Any = None
@@ -108,24 +85,12 @@ class SimRuntime:
                 self._send(node, eff)
             elif isinstance(eff, Recv):
                 value = yield from self._recv(node, eff)
-            elif isinstance(eff, Train):
-                value, seconds = self.worker.train(node, eff)
-                yield self.env.timeout(seconds)
-            elif isinstance(eff, Compute):
-                value, seconds = self.worker.compute(node, eff)
-                yield self.env.timeout(seconds)
-            elif isinstance(eff, Report):
-                value = self.worker.report(node, eff)
-            elif isinstance(eff, Artifact):
-                self.worker.artifact(node, eff)
-            elif isinstance(eff, Evaluate):
-                value = self.worker.evaluate(node, eff, self.env.now)
-            elif isinstance(eff, Log):
-                self.worker.log(node, eff, self.env.now)
             elif isinstance(eff, Finish):
                 self.finals[node] = eff
             else:
-                raise TypeError(f"node {node} yielded {eff!r}, which is not an effect")
+                value, seconds = self.worker.perform(node, eff, self.env.now)
+                if seconds:
+                    yield self.env.timeout(seconds)
 
     def _recv(self, node: int, recv: Recv) -> Generator[simpy.Event, Any, list[Message]]:
         self.waiting[node] = recv
@@ -140,7 +105,8 @@ class SimRuntime:
                 f"{self.topology.name(src)} sent to {self.topology.name(eff.dst)}, "
                 "which is not its neighbour"
             )
-        frame = encode(Message(eff.kind, src, eff.dst, eff.round, eff.tensors, eff.meta))
+        msg = Message(eff.kind, src, eff.dst, eff.round, eff.tensors, eff.meta)
+        frame = encode(msg, self.compression)
         self.env.process(self._transfer(src, eff.dst, eff.round, eff.kind, frame))
 
     def _transfer(

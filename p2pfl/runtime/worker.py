@@ -1,7 +1,8 @@
-"""Local effects shared by every runtime: training, evaluation and metric rows.
+"""Local effects shared by every runtime: training, statistics, evaluation, reports.
 
-A runtime owns the clock and the network; the worker owns the peers' data, the trainer
-and the metrics log, and says how many simulated seconds each piece of compute costs.
+A runtime owns the clock and the network (``Send``, ``Recv``, ``Finish``); the worker
+carries out every other effect with :meth:`Worker.perform`, and says how many simulated
+seconds each piece of compute costs.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import torch
 from tqdm import tqdm
 
 from p2pfl.data.federated import FederatedData
-from p2pfl.effects import Artifact, Compute, Evaluate, Log, Report, Train
+from p2pfl.effects import Artifact, Compute, Effect, Evaluate, Log, Report, Train
 from p2pfl.heatmap import save_heatmap, save_matrix_csv
 from p2pfl.metrics import MetricsLog
 from p2pfl.peers import Population
@@ -24,7 +25,7 @@ from p2pfl.training import TrainConfig, Trainer, TrainResult, resolve_device
 
 
 class Worker:
-    """Carries out ``Train``, ``Evaluate`` and ``Log`` for any node of one run."""
+    """Carries out the local effects of any node of one run."""
 
     def __init__(
         self,
@@ -56,6 +57,22 @@ class Worker:
             p: resolve_device(prof.device) for p, prof in enumerate(population.profiles)
         }
         self._server_device = resolve_device(population.profiles[0].device)
+
+    def perform(self, node: int, eff: Effect, now: float) -> tuple[Any, float]:
+        """Carry out a local effect; return its result and its simulated duration."""
+        if isinstance(eff, Train):
+            return self.train(node, eff)
+        if isinstance(eff, Compute):
+            return self.compute(node, eff)
+        if isinstance(eff, Evaluate):
+            return self.evaluate(node, eff, now), 0.0
+        if isinstance(eff, Report):
+            return self.report(node, eff), 0.0
+        if isinstance(eff, Artifact):
+            return self.artifact(node, eff), 0.0
+        if isinstance(eff, Log):
+            return self.log(node, eff, now), 0.0
+        raise TypeError(f"node {node} yielded {eff!r}, which is not an effect")
 
     def device(self, node: int) -> torch.device:
         return self._devices.get(node, self._server_device)

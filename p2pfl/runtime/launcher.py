@@ -1,0 +1,259 @@
+"""Real runs: one OS process per node, talking over ZeroMQ (see :mod:`p2pfl.runtime.sockets`).
+
+``launch`` (behind ``p2pfl run --transport zmq``) starts ``p2pfl peer`` processes on this
+host. Each binds its inbox on a free loopback port and says hello to the launcher with the
+port it got; when all have, the launcher sends everyone the address table and the common
+start time. Each peer writes its own ``peers/NAME/`` files as it goes (metrics, comm,
+``result.json``, ``final.bin``), so a dead peer loses nothing already written. The
+launcher watches the processes: one that dies, or reports a failure, ends the run at once
+(the others are stopped) with a report naming it. Ctrl-C stops every peer process.
+
+``run_peer`` is one node's side, used by the launcher's children and by multi-host runs
+(``p2pfl peer EXP --peer ID --addresses FILE``).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import zmq
+
+from p2pfl.codec import from_section
+from p2pfl.config import TransportConfig
+from p2pfl.effects import Finish
+from p2pfl.errors import ConfigError, RunError
+from p2pfl.ledger import Ledger
+from p2pfl.metrics import MetricsLog
+from p2pfl.runtime.sockets import ZmqNode
+from p2pfl.runtime.worker import Worker
+from p2pfl.wire import Message, decode, encode
+
+if TYPE_CHECKING:  # experiment imports this module
+    from p2pfl.experiment import Setup
+
+
+@dataclass
+class Outcome:
+    """What a finished real run hands back: every node's Finish and its reports."""
+
+    finals: dict[int, Finish]
+    baselines: dict[str, float]
+    elapsed_s: float
+    comm: dict[str, Any]
+
+
+def node_id(setup: Setup, name: str) -> int:
+    """``"server"`` or a peer number -> the node id; a clear error otherwise."""
+    topo = setup.topology
+    if name == "server" and topo.server is not None:
+        return topo.server
+    if name.isdigit() and int(name) < topo.num_peers:
+        return int(name)
+    names = ", ".join(topo.name(n) for n in sorted(topo.graph.nodes))
+    raise ConfigError("--peer", f"no node {name!r} in this topology; nodes are: {names}")
+
+
+def read_addresses(path: Path, setup: Setup) -> dict[int, str]:
+    """An addresses file: a YAML mapping from node names to ``tcp://host:port``."""
+    from p2pfl.config import read_yaml
+
+    table = read_yaml(path, "addresses file")
+    out = {node_id(setup, str(k)): v for k, v in table.items()}
+    missing = [setup.topology.name(n) for n in setup.topology.graph.nodes if n not in out]
+    if missing:
+        raise ConfigError("", f"no address for node(s) {', '.join(missing)}", file=str(path))
+    return out
+
+
+def run_peer(
+    setup: Setup,
+    node: int,
+    out: Path,
+    addresses: dict[int, str] | None = None,
+    coordinator: str | None = None,
+) -> int:
+    """Run one node; write ``out/peers/NAME/``; return the process exit code."""
+    transport = TransportConfig(**setup.config["transport"])
+    name = setup.topology.name(node)
+    mine = out / "peers" / name
+    mine.mkdir(parents=True, exist_ok=True)
+    metrics, ledger = MetricsLog(mine / "metrics.csv"), Ledger(mine / "comm.csv")
+    worker = Worker(
+        setup.trainer, setup.data, setup.train, setup.population, setup.topology, setup.seed,
+        metrics, setup.eval.every, setup.method.rounds(setup.topology.num_peers), out,
+    )  # fmt: skip
+    zn = ZmqNode(
+        node, setup.topology, worker, ledger, transport, from_section(setup.config["compression"])
+    )
+    result: dict[str, Any] = {"node": name, "status": "failed"}
+    try:
+        if coordinator:
+            addresses = _handshake(zn, coordinator, transport)
+        else:
+            assert addresses is not None
+            zn.bind(addresses[node])
+        zn.connect(addresses)
+        finish = zn.run(setup.method.behaviour(setup.contexts()[node]))
+        if finish.state is not None:
+            (mine / "final.bin").write_bytes(encode(Message("model", node, node, 0, finish.state)))
+        result |= {"status": "ok", "output": finish.output, "baselines": worker.baselines}
+        return 0
+    except (RunError, ConfigError, zmq.ZMQError) as e:
+        result["error"] = str(e)
+        print(f"error: peer {name}: {e}", file=sys.stderr)
+        return 1
+    finally:
+        result |= {"rejected_frames": zn.rejected, "compute_wall_s": setup.trainer.busy_s}
+        (mine / "result.json").write_text(json.dumps(result, indent=2) + "\n")
+        metrics.close()
+        ledger.close()
+        zn.close()
+
+
+def _handshake(zn: ZmqNode, coordinator: str, transport: TransportConfig) -> dict[int, str]:
+    """Tell the launcher our endpoint; wait for the address table and the start time."""
+    endpoint = zn.bind(f"tcp://{transport.host}:*")
+    ctl = zn.context.socket(zmq.DEALER)
+    ctl.setsockopt(zmq.LINGER, 1000)
+    ctl.connect(coordinator)
+    ctl.send_json({"node": zn.node, "endpoint": endpoint})
+    if not ctl.poll(int(transport.startup_timeout_s * 1000)):
+        raise RunError(f"no start signal within {transport.startup_timeout_s:g} s")
+    start = ctl.recv_json()
+    ctl.close()
+    zn.t0 = start["t0"]
+    return {int(k): v for k, v in start["addresses"].items()}
+
+
+def launch(setup: Setup, out: Path, config_file: Path) -> Outcome:
+    """Run every node of ``setup`` as its own process on this host; merge their outputs."""
+    transport = TransportConfig(**setup.config["transport"])
+    context = zmq.Context()
+    ctl = context.socket(zmq.ROUTER)
+    ctl.setsockopt(zmq.LINGER, 0)
+    ctl.bind(f"tcp://{transport.host}:*")
+    endpoint = ctl.getsockopt_string(zmq.LAST_ENDPOINT)
+    nodes = sorted(setup.topology.graph.nodes)
+    name = setup.topology.name
+    env = os.environ | {"OMP_NUM_THREADS": "1"}  # N processes share the cores
+    procs: dict[int, subprocess.Popen] = {}
+    start = time.monotonic()
+    try:
+        for n in nodes:
+            cmd = [sys.executable, "-m", "p2pfl", "peer", str(config_file), "--peer", name(n)]
+            cmd += ["--coordinator", endpoint, "--out", str(out)]
+            procs[n] = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL)
+        addresses = _gather_hellos(ctl, procs, out, setup, transport)
+        t0 = time.time()
+        for ident, _ in addresses.values():
+            ctl.send_multipart([ident, json.dumps({"addresses": {
+                str(n): ep for n, (_, ep) in addresses.items()}, "t0": t0}).encode()])  # fmt: skip
+        while any(p.poll() is None for p in procs.values()):
+            _check(procs, out, setup)
+            time.sleep(0.05)
+        _check(procs, out, setup)
+    finally:
+        _stop(procs)
+        ctl.close()
+        context.term()
+        comm = _merge(out, nodes, setup)
+    return Outcome(*_collect(out, nodes, setup), time.monotonic() - start, comm)
+
+
+def _gather_hellos(ctl, procs, out: Path, setup: Setup, transport: TransportConfig):
+    """Wait until every node has said hello with its endpoint (or fail naming the missing)."""
+    hellos: dict[int, tuple[bytes, str]] = {}
+    deadline = time.monotonic() + transport.startup_timeout_s
+    while len(hellos) < len(procs):
+        _check(procs, out, setup)
+        if time.monotonic() > deadline:
+            missing = [setup.topology.name(n) for n in procs if n not in hellos]
+            raise RunError(
+                f"peer(s) {', '.join(missing)} did not come up within "
+                f"{transport.startup_timeout_s:g} s"
+            )
+        if ctl.poll(100):
+            ident, payload = ctl.recv_multipart()
+            hello = json.loads(payload)
+            hellos[int(hello["node"])] = (ident, hello["endpoint"])
+    return hellos
+
+
+def _check(procs: dict[int, subprocess.Popen], out: Path, setup: Setup) -> None:
+    """Raise a ``RunError`` naming the first node that failed or died."""
+    for n, p in procs.items():
+        code = p.poll()
+        if code is None or code == 0:
+            continue
+        name = setup.topology.name(n)
+        result = out / "peers" / name / "result.json"
+        if code > 0 and result.is_file():
+            reason = json.loads(result.read_text()).get("error", f"exit code {code}")
+            raise RunError(f"peer {name} failed: {reason}")
+        how = f"signal {-code}" if code < 0 else f"exit code {code}"
+        raise RunError(f"peer {name} died ({how})")
+
+
+def _stop(procs: dict[int, subprocess.Popen]) -> None:
+    """Terminate every peer process still running (SIGTERM, then SIGKILL after 3 s)."""
+    live = [p for p in procs.values() if p.poll() is None]
+    for p in live:
+        p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + 3
+    for p in live:
+        try:
+            p.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def _rows(path: Path) -> list[list[str]]:
+    if not path.is_file():
+        return []
+    with path.open(newline="") as f:
+        return list(csv.reader(f))[1:]
+
+
+def _merge(out: Path, nodes: list[int], setup: Setup) -> dict[str, Any]:
+    """Merge the peers' metrics and comm files into the run's, ordered by time."""
+    names = [setup.topology.name(n) for n in nodes]
+    metrics = sorted(
+        (r for n in names for r in _rows(out / "peers" / n / "metrics.csv")),
+        key=lambda r: float(r[0]),
+    )
+    with (out / "metrics.csv").open("w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["time", "round", "peer", "metric", "value"])
+        writer.writerows(metrics)
+    ledger = Ledger(out / "comm.csv")
+    comm = sorted(
+        (r for n in names for r in _rows(out / "peers" / n / "comm.csv")), key=lambda r: float(r[0])
+    )
+    for t, rnd, src, dst, kind, nbytes, arrival in comm:
+        ledger.record(float(t), int(rnd), src, dst, kind, int(nbytes), float(arrival))
+    ledger.close()
+    return ledger.summary()
+
+
+def _collect(out: Path, nodes: list[int], setup: Setup) -> tuple[dict[int, Finish], dict]:
+    """Every node's final model and reports, read back from its ``peers/NAME/`` files."""
+    finals, baselines = {}, {}
+    for n in nodes:
+        mine = out / "peers" / setup.topology.name(n)
+        result = json.loads((mine / "result.json").read_text())
+        state = None
+        if (mine / "final.bin").is_file():
+            state = decode(bytearray((mine / "final.bin").read_bytes())).tensors
+        finals[n] = Finish(state, result["output"])
+        baselines |= result["baselines"]
+    return finals, baselines

@@ -1,0 +1,36 @@
+"""A node's inbox: which arrived messages a ``Recv`` takes, the same in every runtime.
+
+Messages are taken oldest first and handed to the method sorted by sender, so what a method
+sees never depends on network timing: the simulated and the socket runtime agree.
+"""
+
+from __future__ import annotations
+
+from p2pfl.effects import Recv
+from p2pfl.wire import Message
+
+
+def matches(recv: Recv, msg: Message) -> bool:
+    return (
+        msg.kind in recv.kinds
+        and (recv.round is None or msg.round == recv.round)
+        and (recv.src is None or msg.src == recv.src)
+    )
+
+
+def take(inbox: list[Message], recv: Recv) -> list[Message] | None:
+    """Remove and return ``recv.count`` matching messages (oldest first), sorted by sender."""
+    hits = [i for i, m in enumerate(inbox) if matches(recv, m)][: recv.count]
+    if len(hits) < recv.count:
+        return None
+    taken = [inbox[i] for i in hits]
+    for i in reversed(hits):
+        del inbox[i]
+    return sorted(taken, key=lambda m: m.src)
+
+
+def describe(recv: Recv, name) -> str:
+    """``recv`` in words, e.g. ``1 model message(s) of round 4 from 2``."""
+    src = "" if recv.src is None else f" from {name(recv.src)}"
+    rnd = "" if recv.round is None else f" of round {recv.round}"
+    return f"{recv.count} {'/'.join(recv.kinds)} message(s){rnd}{src}"

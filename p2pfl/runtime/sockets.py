@@ -1,0 +1,184 @@
+"""The ZeroMQ runtime: one node's behaviour in its own process, over real TCP sockets.
+
+Each node binds one PULL socket (its inbox) and connects one PUSH socket to every
+neighbour. ``Send`` encodes the message at the choke point (``wire.encode``) and hands
+the frame to ZeroMQ without another copy; ``Recv`` polls the inbox with the configured
+timeout and consumes messages exactly as the simulation does (``mailbox.take``), so the
+same seed gives the same models. Frames that fail to decode, or that claim a sender that
+is not a neighbour, are dropped with a logged reason. With ``transport.curve_keys`` every
+socket uses CURVE encryption and only holders of a listed key can connect.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import zmq
+import zmq.auth
+from zmq.auth.thread import ThreadAuthenticator
+
+from p2pfl.codec import Compression
+from p2pfl.config import TransportConfig
+from p2pfl.effects import Behaviour, Finish, Recv, Send
+from p2pfl.errors import ConfigError, RunError
+from p2pfl.ledger import Ledger
+from p2pfl.runtime.mailbox import describe, take
+from p2pfl.runtime.worker import Worker
+from p2pfl.topology import Topology
+from p2pfl.wire import Message, WireError, decode, encode
+
+log = logging.getLogger("p2pfl.transport")
+
+
+class CurveKeys:
+    """CURVE key pairs from a directory: ``NAME.key`` (public) and ``NAME.key_secret``."""
+
+    def __init__(self, directory: str, name: str) -> None:
+        self.directory = Path(directory)
+        secret = self.directory / f"{name}.key_secret"
+        if not secret.is_file():
+            raise ConfigError("transport.curve_keys", f"no secret key {secret}")
+        self.public, self.secret = zmq.auth.load_certificate(secret)
+
+    def public_of(self, name: str) -> bytes:
+        path = self.directory / f"{name}.key"
+        if not path.is_file():
+            raise ConfigError("transport.curve_keys", f"no public key {path}")
+        return zmq.auth.load_certificate(path)[0]
+
+
+class ZmqNode:
+    """Runs one node's behaviour over sockets; local effects go to the shared ``Worker``."""
+
+    def __init__(
+        self,
+        node: int,
+        topology: Topology,
+        worker: Worker,
+        ledger: Ledger,
+        transport: TransportConfig,
+        compression: Compression | None = None,
+    ) -> None:
+        self.node = node
+        self.topology = topology
+        self.worker = worker
+        self.ledger = ledger
+        self.transport = transport
+        self.compression = compression
+        self.name = topology.name(node)
+        self.t0 = time.time()
+        self.context = zmq.Context()
+        self.keys = CurveKeys(transport.curve_keys, self.name) if transport.curve_keys else None
+        self.auth: ThreadAuthenticator | None = None
+        self.inbox_socket = self.context.socket(zmq.PULL)
+        self.inbox_socket.setsockopt(zmq.MAXMSGSIZE, transport.max_message_bytes)
+        self.inbox_socket.setsockopt(zmq.LINGER, 0)
+        self.outboxes: dict[int, zmq.Socket] = {}
+        self.inbox: list[Message] = []
+        self.rejected = 0
+        self.finish: Finish | None = None
+
+    def bind(self, endpoint: str) -> str:
+        """Bind the inbox (``tcp://host:*`` picks a free port); return the real endpoint."""
+        if self.keys:
+            self.auth = ThreadAuthenticator(self.context)
+            self.auth.start()
+            self.auth.configure_curve(domain="*", location=str(self.keys.directory))
+            self.inbox_socket.curve_server = True
+            self.inbox_socket.curve_publickey = self.keys.public
+            self.inbox_socket.curve_secretkey = self.keys.secret
+        self.inbox_socket.bind(endpoint)
+        return self.inbox_socket.getsockopt_string(zmq.LAST_ENDPOINT)
+
+    def connect(self, addresses: dict[int, str]) -> None:
+        """Open a PUSH socket to every neighbour's inbox."""
+        timeout_ms = int(self.transport.timeout_s * 1000)
+        for j in self.topology.neighbours(self.node):
+            sock = self.context.socket(zmq.PUSH)
+            sock.setsockopt(zmq.SNDTIMEO, timeout_ms)
+            sock.setsockopt(zmq.LINGER, timeout_ms)  # deliver what is queued before closing
+            if self.keys:
+                sock.curve_publickey = self.keys.public
+                sock.curve_secretkey = self.keys.secret
+                sock.curve_serverkey = self.keys.public_of(self.topology.name(j))
+            sock.connect(addresses[j])
+            self.outboxes[j] = sock
+
+    def now(self) -> float:
+        """Wall-clock seconds since the run's start (shared by every node of a run)."""
+        return time.time() - self.t0
+
+    def run(self, behaviour: Behaviour) -> Finish:
+        """Drive the behaviour to its end; a timeout or bad send raises ``RunError``."""
+        value: Any = None
+        while True:
+            try:
+                eff = behaviour.send(value)
+            except StopIteration:
+                break
+            value = None
+            if isinstance(eff, Send):
+                self._send(eff)
+            elif isinstance(eff, Recv):
+                value = self._recv(eff)
+            elif isinstance(eff, Finish):
+                self.finish = eff
+            else:
+                value, _ = self.worker.perform(self.node, eff, self.now())
+        if self.finish is None:
+            raise RunError(f"{self.name} ended without declaring its final model")
+        return self.finish
+
+    def close(self) -> None:
+        for sock in self.outboxes.values():
+            sock.close()  # waits up to LINGER for queued frames
+        self.inbox_socket.close()
+        if self.auth:
+            self.auth.stop()
+        self.context.term()
+
+    def _send(self, eff: Send) -> None:
+        if eff.dst not in self.outboxes:
+            raise RunError(f"{self.name} sent to {self.topology.name(eff.dst)}, not a neighbour")
+        msg = Message(eff.kind, self.node, eff.dst, eff.round, eff.tensors, eff.meta)
+        frame = encode(msg, self.compression)
+        try:
+            self.outboxes[eff.dst].send(frame, copy=False)
+        except zmq.Again:
+            raise RunError(
+                f"{self.name} could not hand a message to {self.topology.name(eff.dst)} "
+                f"within {self.transport.timeout_s:g} s"
+            ) from None
+
+    def _recv(self, recv: Recv) -> list[Message]:
+        deadline = time.monotonic() + self.transport.timeout_s
+        while (got := take(self.inbox, recv)) is None:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise RunError(
+                    f"{self.name} waited {self.transport.timeout_s:g} s for "
+                    f"{describe(recv, self.topology.name)} (a peer died or never came up?)"
+                )
+            if self.inbox_socket.poll(max(1, int(remaining * 1000))):
+                self.accept(self.inbox_socket.recv(copy=False).buffer)
+        return got
+
+    def accept(self, frame: memoryview) -> Message | None:
+        """Decode and check one frame; keep it in the inbox, or drop it with a logged reason."""
+        try:
+            msg = decode(frame, self.transport.max_message_bytes)
+            if msg.dst != self.node or msg.src not in self.outboxes:
+                raise WireError(f"unexpected route {msg.src} -> {msg.dst}")
+        except WireError as e:
+            self.rejected += 1
+            log.warning("%s dropped a frame of %d bytes: %s", self.name, len(frame), e)
+            return None
+        now = self.now()
+        name = self.topology.name
+        self.ledger.record(now, msg.round, name(msg.src), self.name, msg.kind, len(frame), now)
+        self.ledger.flush()  # a peer that is killed later keeps what it recorded
+        self.inbox.append(msg)
+        return msg

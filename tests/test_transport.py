@@ -1,0 +1,255 @@
+"""The ZeroMQ runtime: real processes on loopback, the same models as the simulation,
+dead peers, Ctrl-C, hostile frames and CURVE authentication."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+import zmq
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from conftest import BASE, ROOT, experiment
+from p2pfl.config import TransportConfig
+from p2pfl.effects import Recv
+from p2pfl.ledger import Ledger
+from p2pfl.methods import METHODS
+from p2pfl.runtime.sockets import ZmqNode
+from p2pfl.topology import build_topology
+from p2pfl.wire import Message, encode
+
+TIMEOUT = 120.0  # a receive waits for its sender's compute, which is slow on a busy CI box
+
+# Each case: the sections that differ from the digits BASE experiment.
+SAME_AS_SIM = {
+    "fedavg-star": {"algorithm": {"name": "fedavg", "rounds": 2, "participation": 0.5}},
+    "fedseq-ring": {"topology": {"kind": "ring"}, "algorithm": {"name": "fedseq", "cycles": 1}},
+    "fedelmy-ring": {
+        "topology": {"kind": "ring"},
+        "algorithm": {"name": "fedelmy", "pool_size": 2, "warmup_epochs": 1},
+    },
+    "maecho-mesh": {
+        "topology": {"kind": "mesh"},
+        "model": {"name": "mlp", "hidden": [32], "bias": False},
+        "algorithm": {"name": "maecho", "placement": "mesh"},
+    },
+}
+
+
+def write_experiment(tmp_path: Path, **sections) -> Path:
+    config = BASE | {"transport": {"timeout_s": TIMEOUT}} | sections
+    path = tmp_path / "exp.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def p2pfl(*args: str, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "p2pfl", *args], capture_output=True, text=True, cwd=ROOT, **kw
+    )
+
+
+@pytest.mark.parametrize("case", list(SAME_AS_SIM))
+def test_zmq_run_gives_the_simulated_models(tmp_path, case):
+    sections = SAME_AS_SIM[case]
+    if sections["algorithm"]["name"] not in METHODS:
+        pytest.skip(f"{sections['algorithm']['name']} has not landed")
+    path = write_experiment(tmp_path, **sections)
+    sim = p2pfl("run", str(path), "--out", str(tmp_path / "sim"), "--quiet")
+    real = p2pfl("run", str(path), "--out", str(tmp_path / "zmq"), "--quiet", "--transport", "zmq")
+    assert sim.returncode == 0, sim.stderr
+    assert real.returncode == 0, real.stderr
+    a, b = (json.loads((tmp_path / d / "summary.json").read_text()) for d in ("sim", "zmq"))
+    assert (a["transport"], b["transport"]) == ("sim", "zmq")
+    assert a["final"] == b["final"]
+    assert a["per_peer"] == b["per_peer"]
+    assert a["comm"] == b["comm"]
+    assert a.get("baselines") == b.get("baselines")
+    for name in ("metrics.csv", "comm.csv"):
+        assert len((tmp_path / "zmq" / name).read_text().splitlines()) == len(
+            (tmp_path / "sim" / name).read_text().splitlines()
+        )
+
+
+def launcher(tmp_path: Path, rounds: int = 100_000) -> tuple[subprocess.Popen, Path]:
+    path = write_experiment(tmp_path, algorithm={"name": "fedavg", "rounds": rounds})
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "p2pfl", "run", str(path), "--out", str(out), "--quiet"]
+    proc = subprocess.Popen(
+        cmd + ["--transport", "zmq"], cwd=ROOT, stderr=subprocess.PIPE, text=True
+    )
+    server_metrics = out / "peers" / "server" / "metrics.csv"
+    deadline = time.monotonic() + 120
+    while not (server_metrics.is_file() and len(server_metrics.read_text().splitlines()) > 4):
+        assert proc.poll() is None, proc.stderr.read()
+        assert time.monotonic() < deadline, "the run never got going"
+        time.sleep(0.2)
+    return proc, out
+
+
+def peer_pids(out: Path) -> dict[str, int]:
+    found = subprocess.run(["pgrep", "-af", f"--out {out}"], capture_output=True, text=True)
+    pids = {}
+    for line in found.stdout.splitlines():
+        pid, *cmd = line.split()
+        if "peer" in cmd:
+            pids[cmd[cmd.index("--peer") + 1]] = int(pid)
+    return pids
+
+
+def test_killing_a_peer_ends_the_run_with_a_report(tmp_path):
+    proc, out = launcher(tmp_path)
+    pids = peer_pids(out)
+    assert set(pids) == {"0", "1", "2", "3", "server"}
+    os.kill(pids["2"], signal.SIGKILL)
+    killed = time.monotonic()
+    _, err = proc.communicate(timeout=TIMEOUT + 5)
+    assert time.monotonic() - killed < TIMEOUT + 5
+    assert proc.returncode == 1
+    assert "peer 2 died (signal 9)" in err
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "failed" and "peer 2 died" in summary["error"]
+    assert len((out / "metrics.csv").read_text().splitlines()) > 4  # what was written stays
+    assert peer_pids(out) == {}
+
+
+def test_ctrl_c_stops_every_peer_process(tmp_path):
+    proc, out = launcher(tmp_path)
+    assert len(peer_pids(out)) == 5
+    proc.send_signal(signal.SIGINT)
+    proc.communicate(timeout=TIMEOUT)
+    assert proc.returncode == 130
+    assert peer_pids(out) == {}
+
+
+def test_a_peer_whose_neighbour_never_comes_up_times_out(tmp_path):
+    path = write_experiment(
+        tmp_path,
+        topology={"kind": "ring"},
+        algorithm={"name": "fedseq"},
+        transport={"timeout_s": 3.0},
+    )
+    addresses = tmp_path / "addresses.yaml"
+    addresses.write_text(yaml.safe_dump({i: f"tcp://127.0.0.1:{47310 + i}" for i in range(4)}))
+    start = time.monotonic()
+    done = p2pfl(
+        "peer", str(path), "--peer", "1", "--addresses", str(addresses), "--out", str(tmp_path)
+    )
+    assert done.returncode == 1
+    assert "peer 1: 1 waited 3 s for 1 model message(s) of round 1 from 0" in done.stderr
+    assert time.monotonic() - start < 60
+    result = json.loads((tmp_path / "peers" / "1" / "result.json").read_text())
+    assert result["status"] == "failed"
+
+
+def live_node(keys: str | None = None, node: int = 1, to: dict[int, str] | None = None) -> ZmqNode:
+    """A real node of a 3-peer mesh, bound on loopback, with no worker (it only receives).
+
+    Its neighbours' addresses are ``to`` (default: a closed port, so sends go nowhere).
+    """
+    topo = build_topology({"kind": "mesh"}, 3, 0)
+    transport = TransportConfig(timeout_s=5.0, max_message_bytes=1 << 20, curve_keys=keys)
+    zn = ZmqNode(node, topo, worker=None, ledger=Ledger(), transport=transport)
+    zn.endpoint = zn.bind("tcp://127.0.0.1:*")
+    zn.connect({j: "tcp://127.0.0.1:1" for j in range(3)} | (to or {}))
+    return zn
+
+
+def valid_frame(round: int = 1) -> bytearray:
+    return encode(Message("model", 0, 1, round, {"w": torch.arange(4.0)}))
+
+
+@pytest.fixture(scope="module")
+def fuzz_target():
+    node = live_node()
+    sender = node.context.socket(zmq.PUSH)
+    sender.setsockopt(zmq.LINGER, 0)
+    sender.connect(node.endpoint)
+    yield node, sender
+    sender.close()
+    node.close()
+
+
+def mutate(frame: bytearray, edits: list[tuple[int, int]]) -> bytes:
+    out = bytearray(frame)
+    for pos, value in edits:
+        out[pos % len(out)] = value
+    return bytes(out)
+
+
+hostile = st.one_of(
+    st.binary(max_size=512),
+    st.builds(
+        mutate,
+        st.just(valid_frame()),
+        st.lists(st.tuples(st.integers(0, 10_000), st.integers(0, 255)), min_size=1, max_size=8),
+    ),
+    st.builds(lambda n: bytes(valid_frame()[:n]), st.integers(0, len(valid_frame()) - 1)),
+    st.builds(lambda junk: bytes(valid_frame()) + junk, st.binary(min_size=1, max_size=64)),
+    st.builds(
+        lambda schema: bytes(valid_frame()[:24]) + len(schema).to_bytes(4, "little") + schema,
+        st.binary(max_size=200),
+    ),
+)
+
+
+@settings(max_examples=1200, deadline=None, suppress_health_check=list(HealthCheck))
+@given(frame=hostile)
+def test_hostile_frames_never_crash_or_hang_a_live_receiver(fuzz_target, frame):
+    node, sender = fuzz_target
+    sender.send(frame)
+    assert node.inbox_socket.poll(5000), "the receiver stopped reading"
+    node.accept(node.inbox_socket.recv(copy=False).buffer)
+    assert all(m.src == 0 and m.dst == 1 for m in node.inbox)
+    node.inbox.clear()
+
+
+def test_fuzzed_receiver_still_takes_valid_messages(fuzz_target):
+    node, sender = fuzz_target
+    assert node.rejected >= 1000
+    sender.send(bytes(64 * 1024 * 1024 // 32))  # over max_message_bytes: ZeroMQ drops it
+    sender.send(valid_frame(round=7))
+    (msg,) = node._recv(Recv(round=7))
+    assert torch.equal(msg.tensors["w"], torch.arange(4.0))
+
+
+def test_curve_keeps_out_a_process_without_the_key(tmp_path):
+    keys = tmp_path / "keys"
+    assert p2pfl("keys", str(keys), "--peers", "3").returncode == 0
+    node = live_node(str(keys))
+    friend = live_node(str(keys), node=0, to={1: node.endpoint})  # holds node 0's key pair
+    intruder = node.context.socket(zmq.PUSH)
+    intruder.setsockopt(zmq.LINGER, 0)
+    stranger_public, stranger_secret = zmq.curve_keypair()
+    intruder.curve_publickey, intruder.curve_secretkey = stranger_public, stranger_secret
+    intruder.curve_serverkey = zmq.auth.load_certificate(keys / "1.key")[0]
+    intruder.connect(node.endpoint)
+    plain = node.context.socket(zmq.PUSH)
+    plain.setsockopt(zmq.LINGER, 0)
+    plain.connect(node.endpoint)
+    for sock in (intruder, plain):
+        with contextlib.suppress(zmq.Again):  # never connected: nothing to inject
+            sock.send(valid_frame(round=5), flags=zmq.NOBLOCK)
+    assert not node.inbox_socket.poll(1500)
+    friend.outboxes[1].send(valid_frame(round=6))
+    assert node.inbox_socket.poll(5000)
+    node.accept(node.inbox_socket.recv(copy=False).buffer)
+    assert [m.round for m in node.inbox] == [6]
+    for sock in (intruder, plain):
+        sock.close()
+    friend.close()
+    node.close()
+
+
+def test_every_shipped_experiment_has_a_transport_section_default():
+    assert experiment()["transport"]["timeout_s"] == 60.0
