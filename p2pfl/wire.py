@@ -3,9 +3,13 @@
 Frame layout (all integers little-endian)::
 
     fixed prefix: b"P2PF" | u8 version | u8 kind | u16 0 | i32 src | i32 dst | i32 round
-                  | u32 CRC-32 of the tensor bytes | u32 schema length
-    schema (UTF-8 JSON): {"meta": {...}, "tensors": [{name, dtype, shape}, ...]}
+                  | u32 CRC-32C of the tensor bytes | u32 schema length
+    schema (UTF-8 JSON): {"meta": {...}, "tensors": [{name, dtype, shape[, codec, k]}, ...]}
     tensor bytes, back to back
+
+A tensor entry names the tensor's own dtype and shape. With ``codec`` (``fp16``, ``int8``
+or ``topk`` with its count ``k``) its bytes are the codec's packing (:mod:`p2pfl.codec`),
+chosen per message kind by ``encode``'s ``compression``; decoding restores dtype and shape.
 
 The fields that change from message to message (sender, receiver, round, checksum) have
 fixed widths, so two messages with the same tensors and meta have exactly the same size:
@@ -19,11 +23,16 @@ from __future__ import annotations
 import json
 import math
 import struct
-import zlib
+import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from crc32c import crc32c
+
+from p2pfl import codec
+from p2pfl.codec import Compression
 
 MAGIC = b"P2PF"
 VERSION = 1
@@ -45,6 +54,7 @@ _NAMES = {v: k for k, v in DTYPES.items()}
 _PREFIX = struct.Struct("<4sBBHiiiII")
 
 Meta = dict[str, Any]
+Buffer = bytes | bytearray | memoryview
 
 
 @dataclass
@@ -63,55 +73,135 @@ class WireError(ValueError):
     """A frame that is not a valid p2pfl message (the reason says why)."""
 
 
-def encode(msg: Message) -> bytearray:
-    """Serialize ``msg`` to one frame; each tensor's bytes are copied once, into the frame."""
+def _layout(msg: Message, compression: Compression | None) -> tuple[bytes, list[dict]]:
+    """The schema's bytes, and each tensor's codec fields (empty: it travels raw)."""
     if msg.kind not in KINDS:
         raise ValueError(f"unknown message kind {msg.kind!r}")
-    entries, arrays = [], []
+    chosen = (compression or {}).get(msg.kind)
+    entries, packing = [], []
     for name, t in msg.tensors.items():
         if t.dtype not in _NAMES:
             raise ValueError(f"tensor {name!r} has unsupported dtype {t.dtype}")
-        entries.append({"name": name, "dtype": _NAMES[t.dtype], "shape": list(t.shape)})
-        arrays.append(t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy())
+        how = codec.schema_entry(t.shape, t.dtype, chosen)
+        entries.append({"name": name, "dtype": _NAMES[t.dtype], "shape": list(t.shape)} | how)
+        packing.append(how)
     schema = {"meta": msg.meta, "tensors": entries}
-    head = json.dumps(schema, separators=(",", ":"), sort_keys=True).encode()
-    start = _PREFIX.size + len(head)
-    frame = bytearray(start + sum(a.nbytes for a in arrays))
-    frame[_PREFIX.size : start] = head
-    out, crc, offset = memoryview(frame), 0, start
-    for a in arrays:
-        out[offset : offset + a.nbytes] = a
-        crc = zlib.crc32(a, crc)
-        offset += a.nbytes
-    kind = KINDS.index(msg.kind)
-    _PREFIX.pack_into(
-        frame, 0, MAGIC, VERSION, kind, 0, msg.src, msg.dst, msg.round, crc, len(head)
+    return json.dumps(schema, separators=(",", ":"), sort_keys=True).encode(), packing
+
+
+def frame_sizes(msg: Message, compression: Compression | None = None) -> tuple[int, int]:
+    """(header bytes, tensor bytes) of ``msg``'s frame, without building it: only shapes
+    and dtypes are read, so tensors on the ``meta`` device will do."""
+    head, packing = _layout(msg, compression)
+    tensor_bytes = sum(
+        codec.packed_size(how, t.numel(), t.dtype) if how else t.numel() * t.element_size()
+        for t, how in zip(msg.tensors.values(), packing, strict=True)
     )
+    return _PREFIX.size + len(head), tensor_bytes
+
+
+def _spec(e: object, i: int) -> tuple[str, torch.dtype, list[int], int, dict]:
+    """Check one schema entry: (name, dtype, shape, bytes on the wire, entry)."""
+    if not isinstance(e, dict) or not isinstance(e.get("name"), str):
+        raise WireError(f"tensor entry {i} without a name")
+    name, dtype, shape = e["name"], DTYPES.get(e.get("dtype")), e.get("shape")
+    if dtype is None:
+        raise WireError(f"tensor {name!r}: unsupported dtype {e.get('dtype')!r}")
+    if (
+        not isinstance(shape, list)
+        or len(shape) > 8
+        or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
+    ):
+        raise WireError(f"tensor {name!r}: bad shape {shape!r}")
+    nbytes = math.prod(shape) * dtype.itemsize
+    if "codec" in e:
+        try:
+            nbytes = codec.check_entry(e, math.prod(shape), dtype)
+        except ValueError as err:
+            raise WireError(f"tensor {name!r}: {err}") from None
+    return name, dtype, shape, nbytes, e
+
+
+def _slices(buf: memoryview, specs: list) -> Iterator[memoryview]:
+    """Consecutive slices of ``buf``, one per tensor with bytes."""
+    offset = 0
+    for *_, nbytes, _ in specs:
+        if nbytes:
+            yield buf[offset : offset + nbytes]
+            offset += nbytes
+
+
+def _bytes_tensor(buf: memoryview) -> torch.Tensor:
+    """A uint8 tensor over ``buf`` without a copy. A read-only buffer here is a received
+    socket frame that this message alone owns, so writing to it is safe."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        return torch.frombuffer(buf, dtype=torch.uint8)
+
+
+def encode_parts(msg: Message, compression: Compression | None = None) -> list[memoryview]:
+    """``msg``'s frame as buffers: the prefix and schema, then each tensor's bytes.
+
+    The tensor buffers are views of the tensors (no copy), so a socket can send them as
+    one multipart message with zero copies. ``compression`` maps message kinds to codecs;
+    the floating tensors of a listed kind are packed by its codec (see :mod:`p2pfl.codec`).
+    """
+    head, packing = _layout(msg, compression)
+    arrays = [
+        (codec.pack(t, how) if how else t.detach().to("cpu").contiguous().reshape(-1))
+        .view(torch.uint8)
+        .numpy()
+        for t, how in zip(msg.tensors.values(), packing, strict=True)
+    ]
+    crc = 0
+    for a in arrays:
+        crc = crc32c(a, crc)
+    kind = KINDS.index(msg.kind)
+    prefix = _PREFIX.pack(MAGIC, VERSION, kind, 0, msg.src, msg.dst, msg.round, crc, len(head))
+    return [memoryview(prefix + head), *(memoryview(a) for a in arrays if a.nbytes)]
+
+
+def join(parts: list[memoryview]) -> bytearray:
+    """The parts of a frame copied into one buffer (the only copy on either side)."""
+    frame = bytearray(sum(p.nbytes for p in parts))
+    offset = 0
+    for p in parts:
+        frame[offset : offset + p.nbytes] = p
+        offset += p.nbytes
     return frame
 
 
-def decode(frame: bytes | bytearray | memoryview, max_bytes: int = MAX_FRAME_BYTES) -> Message:
+def encode(msg: Message, compression: Compression | None = None) -> bytearray:
+    """Serialize ``msg`` to one frame; each tensor's bytes are copied once, into the frame."""
+    return join(encode_parts(msg, compression))
+
+
+def decode(frame: Buffer | list[Buffer], max_bytes: int = MAX_FRAME_BYTES) -> Message:
     """Parse and check one frame; raise :class:`WireError` with the reason if it is bad.
 
-    A ``bytearray`` frame is taken over: the tensors view into it without a copy. Any other
-    buffer (``bytes``, a socket's read-only memoryview) is copied once.
+    ``frame`` is one buffer, or the parts of a multipart message as ``encode_parts`` makes
+    them. Tensors are never copied twice: they view a ``bytearray`` frame (which decode
+    takes over) or, when each received part is exactly one tensor's bytes, those parts;
+    any other buffer or split is copied once into a fresh buffer.
     """
-    view = memoryview(frame)
-    if len(view) > max_bytes:
-        raise WireError(f"frame of {len(view)} bytes exceeds the limit of {max_bytes}")
-    if len(view) < _PREFIX.size:
+    parts = [memoryview(p).cast("B") for p in (frame if isinstance(frame, list) else [frame])]
+    size = sum(p.nbytes for p in parts)
+    if size > max_bytes:
+        raise WireError(f"frame of {size} bytes exceeds the limit of {max_bytes}")
+    head = parts[0]
+    if len(head) < _PREFIX.size:
         raise WireError("frame shorter than its fixed prefix")
-    magic, version, kind, _, src, dst, rnd, crc, head_len = _PREFIX.unpack_from(view)
+    magic, version, kind, _, src, dst, rnd, crc, head_len = _PREFIX.unpack_from(head)
     if magic != MAGIC:
         raise WireError("bad magic bytes")
     if version != VERSION:
         raise WireError(f"unsupported version {version}")
     if kind >= len(KINDS):
         raise WireError(f"unknown kind code {kind}")
-    if head_len > MAX_SCHEMA_BYTES or _PREFIX.size + head_len > len(view):
+    if head_len > MAX_SCHEMA_BYTES or _PREFIX.size + head_len > len(head):
         raise WireError("schema length out of range")
     try:
-        schema = json.loads(bytes(view[_PREFIX.size : _PREFIX.size + head_len]))
+        schema = json.loads(bytes(head[_PREFIX.size : _PREFIX.size + head_len]))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise WireError(f"schema is not JSON: {e}") from None
     if not isinstance(schema, dict):
@@ -120,36 +210,32 @@ def decode(frame: bytes | bytearray | memoryview, max_bytes: int = MAX_FRAME_BYT
     entries = schema.get("tensors")
     if not isinstance(meta, dict) or not isinstance(entries, list):
         raise WireError("schema fields 'meta' and 'tensors' must be an object and a list")
-    payload = view[_PREFIX.size + head_len :]
-    if zlib.crc32(payload) != crc:
+    payload = [head[_PREFIX.size + head_len :], *parts[1:]]
+    check = 0
+    for p in payload:
+        check = crc32c(p, check)
+    if check != crc:
         raise WireError("checksum mismatch")
+    specs = [_spec(e, i) for i, e in enumerate(entries)]
+    if len({name for name, *_ in specs}) != len(specs):
+        raise WireError("a tensor name appears twice")
+    if sum(n for *_, n, _ in specs) != sum(p.nbytes for p in payload):
+        raise WireError("tensor sizes do not add up to the frame's payload")
+    received = [p for p in payload if p.nbytes]
+    if len(parts) > 1 and [p.nbytes for p in received] == [n for *_, n, _ in specs if n]:
+        buffers = iter(received)  # one part per tensor: view the parts themselves
+    elif len(parts) == 1 and isinstance(frame, bytearray):
+        buffers = _slices(payload[0], specs)  # the frame is ours: view it
+    else:
+        buffers = _slices(memoryview(join(payload)), specs)
     tensors: dict[str, torch.Tensor] = {}
-    offset = 0
-    buf = payload if isinstance(frame, bytearray) else memoryview(bytearray(payload))
-    for e in entries:
-        if not isinstance(e, dict) or not isinstance(e.get("name"), str):
-            raise WireError("tensor entry without a name")
-        name, dtype, shape = e["name"], DTYPES.get(e.get("dtype")), e.get("shape")
-        if dtype is None:
-            raise WireError(f"tensor {name!r}: unsupported dtype {e.get('dtype')!r}")
-        if (
-            not isinstance(shape, list)
-            or len(shape) > 8
-            or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
-        ):
-            raise WireError(f"tensor {name!r}: bad shape {shape!r}")
-        if name in tensors:
-            raise WireError(f"tensor {name!r} appears twice")
-        nbytes = math.prod(shape) * dtype.itemsize
-        if offset + nbytes > len(buf):
-            raise WireError(f"tensor {name!r} runs past the end of the frame")
-        flat = (
-            torch.frombuffer(buf, dtype=torch.uint8, count=nbytes, offset=offset)
-            if nbytes
-            else torch.empty(0, dtype=torch.uint8)
-        )
-        tensors[name] = flat.view(dtype).reshape(shape)
-        offset += nbytes
-    if offset != len(buf):
-        raise WireError(f"{len(buf) - offset} trailing bytes after the last tensor")
+    for name, dtype, shape, nbytes, entry in specs:
+        flat = _bytes_tensor(next(buffers)) if nbytes else torch.empty(0, dtype=torch.uint8)
+        if "codec" in entry:
+            try:
+                tensors[name] = codec.unpack(flat, entry, shape, dtype)
+            except ValueError as err:
+                raise WireError(f"tensor {name!r}: {err}") from None
+        else:
+            tensors[name] = flat.view(dtype).reshape(shape)
     return Message(KINDS[kind], src, dst, rnd, tensors, meta)

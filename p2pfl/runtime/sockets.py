@@ -1,12 +1,13 @@
 """The ZeroMQ runtime: one node's behaviour in its own process, over real TCP sockets.
 
 Each node binds one PULL socket (its inbox) and connects one PUSH socket to every
-neighbour. ``Send`` encodes the message at the choke point (``wire.encode``) and hands
-the frame to ZeroMQ without another copy; ``Recv`` polls the inbox with the configured
-timeout and consumes messages exactly as the simulation does (``mailbox.take``), so the
-same seed gives the same models. Frames that fail to decode, or that claim a sender that
-is not a neighbour, are dropped with a logged reason. With ``transport.curve_keys`` every
-socket uses CURVE encryption and only holders of a listed key can connect.
+neighbour. ``Send`` encodes the message at the choke point (``wire.encode_parts``) and
+hands its parts to ZeroMQ as one multipart message without copying the tensors.
+``Recv`` polls the inbox with the configured timeout and consumes messages exactly as
+the simulation does (``mailbox.take``), so the same seed gives the same models. Frames
+that fail to decode, or that claim a sender that is not a neighbour, are dropped with a
+logged reason. With ``transport.curve_keys`` every socket uses CURVE encryption and only
+holders of a listed key can connect.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from p2pfl.ledger import Ledger
 from p2pfl.runtime.mailbox import describe, take
 from p2pfl.runtime.worker import Worker
 from p2pfl.topology import Topology
-from p2pfl.wire import Message, WireError, decode, encode
+from p2pfl.wire import Message, WireError, decode, encode_parts, join
 
 log = logging.getLogger("p2pfl.transport")
 
@@ -144,9 +145,8 @@ class ZmqNode:
         if eff.dst not in self.outboxes:
             raise RunError(f"{self.name} sent to {self.topology.name(eff.dst)}, not a neighbour")
         msg = Message(eff.kind, self.node, eff.dst, eff.round, eff.tensors, eff.meta)
-        frame = encode(msg, self.compression)
         try:
-            self.outboxes[eff.dst].send(frame, copy=False)
+            self.outboxes[eff.dst].send_multipart(encode_parts(msg, self.compression), copy=False)
         except zmq.Again:
             raise RunError(
                 f"{self.name} could not hand a message to {self.topology.name(eff.dst)} "
@@ -163,22 +163,25 @@ class ZmqNode:
                     f"{describe(recv, self.topology.name)} (a peer died or never came up?)"
                 )
             if self.inbox_socket.poll(max(1, int(remaining * 1000))):
-                self.accept(self.inbox_socket.recv(copy=False).buffer)
+                self.accept([f.buffer for f in self.inbox_socket.recv_multipart(copy=False)])
         return got
 
-    def accept(self, frame: memoryview) -> Message | None:
-        """Decode and check one frame; keep it in the inbox, or drop it with a logged reason."""
+    def accept(self, parts: list[memoryview]) -> Message | None:
+        """Decode and check one multipart frame; keep it, or drop it with a logged reason."""
+        size = sum(p.nbytes for p in parts)
         try:
-            msg = decode(frame, self.transport.max_message_bytes)
+            if size > self.transport.max_message_bytes:
+                raise WireError(f"{size} bytes exceed transport.max_message_bytes")
+            msg = decode(join(parts), self.transport.max_message_bytes)
             if msg.dst != self.node or msg.src not in self.outboxes:
                 raise WireError(f"unexpected route {msg.src} -> {msg.dst}")
         except WireError as e:
             self.rejected += 1
-            log.warning("%s dropped a frame of %d bytes: %s", self.name, len(frame), e)
+            log.warning("%s dropped a frame of %d bytes: %s", self.name, size, e)
             return None
         now = self.now()
         name = self.topology.name
-        self.ledger.record(now, msg.round, name(msg.src), self.name, msg.kind, len(frame), now)
+        self.ledger.record(now, msg.round, name(msg.src), self.name, msg.kind, size, now)
         self.ledger.flush()  # a peer that is killed later keeps what it recorded
         self.inbox.append(msg)
         return msg
