@@ -81,20 +81,31 @@ def test_zmq_run_gives_the_simulated_models(tmp_path, case):
         )
 
 
-def launcher(tmp_path: Path, rounds: int = 100_000) -> tuple[subprocess.Popen, Path]:
-    path = write_experiment(tmp_path, algorithm={"name": "fedavg", "rounds": rounds})
+@pytest.fixture
+def launcher(tmp_path):
+    """Start a long real FedAvg run; yield (process, out dir) once it is going; kill it after."""
+    path = write_experiment(tmp_path, algorithm={"name": "fedavg", "rounds": 100_000})
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "p2pfl", "run", str(path), "--out", str(out), "--quiet"]
     proc = subprocess.Popen(
-        cmd + ["--transport", "zmq"], cwd=ROOT, stderr=subprocess.PIPE, text=True
+        cmd + ["--transport", "zmq"],
+        cwd=ROOT,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # its own process group, so teardown can stop every peer
     )
-    server_metrics = out / "peers" / "server" / "metrics.csv"
-    deadline = time.monotonic() + 120
-    while not (server_metrics.is_file() and len(server_metrics.read_text().splitlines()) > 4):
-        assert proc.poll() is None, proc.stderr.read()
-        assert time.monotonic() < deadline, "the run never got going"
-        time.sleep(0.2)
-    return proc, out
+    try:
+        server_metrics = out / "peers" / "server" / "metrics.csv"
+        deadline = time.monotonic() + 300
+        while not (server_metrics.is_file() and len(server_metrics.read_text().splitlines()) > 4):
+            assert proc.poll() is None, proc.stderr.read()
+            assert time.monotonic() < deadline, "the run never got going"
+            time.sleep(0.2)
+        yield proc, out
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
 
 
 def peer_pids(out: Path) -> dict[str, int]:
@@ -107,8 +118,8 @@ def peer_pids(out: Path) -> dict[str, int]:
     return pids
 
 
-def test_killing_a_peer_ends_the_run_with_a_report(tmp_path):
-    proc, out = launcher(tmp_path)
+def test_killing_a_peer_ends_the_run_with_a_report(launcher):
+    proc, out = launcher
     pids = peer_pids(out)
     assert set(pids) == {"0", "1", "2", "3", "server"}
     os.kill(pids["2"], signal.SIGKILL)
@@ -123,8 +134,8 @@ def test_killing_a_peer_ends_the_run_with_a_report(tmp_path):
     assert peer_pids(out) == {}
 
 
-def test_ctrl_c_stops_every_peer_process(tmp_path):
-    proc, out = launcher(tmp_path)
+def test_ctrl_c_stops_every_peer_process(launcher):
+    proc, out = launcher
     assert len(peer_pids(out)) == 5
     proc.send_signal(signal.SIGINT)
     proc.communicate(timeout=TIMEOUT)
