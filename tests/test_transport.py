@@ -109,7 +109,7 @@ def launcher(tmp_path):
 
 
 def peer_pids(out: Path) -> dict[str, int]:
-    found = subprocess.run(["pgrep", "-af", f"--out {out}"], capture_output=True, text=True)
+    found = subprocess.run(["pgrep", "-af", "--", f"--out {out}"], capture_output=True, text=True)
     pids = {}
     for line in found.stdout.splitlines():
         pid, *cmd = line.split()
@@ -158,7 +158,7 @@ def test_a_peer_whose_neighbour_never_comes_up_times_out(tmp_path):
     )
     assert done.returncode == 1
     assert "peer 1: 1 waited 3 s for 1 model message(s) of round 1 from 0" in done.stderr
-    assert time.monotonic() - start < 60
+    assert time.monotonic() - start < 120  # start-up (torch, data) + the 3 s timeout
     result = json.loads((tmp_path / "peers" / "1" / "result.json").read_text())
     assert result["status"] == "failed"
 
