@@ -16,6 +16,7 @@ from typing import Any
 
 import yaml
 
+from p2pfl.codec import resolve_section as resolve_compression
 from p2pfl.data.datasets import DATASETS, take_subsets
 from p2pfl.data.federated import validation_size
 from p2pfl.data.partition import PARTITIONERS
@@ -28,7 +29,7 @@ from p2pfl.training import TrainConfig
 
 SECTIONS = (
     "name", "seed", "dataset", "partition", "model", "topology", "peers", "algorithm", "train",
-    "eval",
+    "eval", "transport", "compression",
 )  # fmt: skip
 DEFAULTS: dict[str, Any] = {
     "seed": 0,
@@ -37,6 +38,8 @@ DEFAULTS: dict[str, Any] = {
     "model": {"name": "mlp"},
     "train": {},
     "eval": {},
+    "transport": {},
+    "compression": {},
 }
 REQUIRED = ("topology", "peers", "algorithm")
 
@@ -69,6 +72,22 @@ class EvalConfig:
     def __post_init__(self) -> None:
         if self.every < 1:
             raise ConfigError("every", "must be >= 1")
+
+
+@dataclass(frozen=True)
+class TransportConfig:
+    """The ``transport:`` section: how real (ZeroMQ) runs behave; ignored in simulation."""
+
+    timeout_s: float = 60.0
+    startup_timeout_s: float = 120.0
+    max_message_bytes: int = 1 << 30
+    host: str = "127.0.0.1"
+    curve_keys: str | None = None
+
+    def __post_init__(self) -> None:
+        for key in ("timeout_s", "startup_timeout_s", "max_message_bytes"):
+            if getattr(self, key) <= 0:
+                raise ConfigError(key, "must be > 0")
 
 
 def read_yaml(path: Path, what: str = "file") -> dict[str, Any]:
@@ -169,6 +188,8 @@ def resolve(raw: dict[str, Any], file: Path) -> dict[str, Any]:
         "algorithm": lambda o: _named(METHODS, o, 0),
         "train": lambda o: asdict(TrainConfig(**bind(TrainConfig, o))),
         "eval": lambda o: asdict(EvalConfig(**bind(EvalConfig, o))),
+        "transport": lambda o: asdict(TransportConfig(**bind(TransportConfig, o))),
+        "compression": resolve_compression,
     }
     for key, step in steps.items():
         try:
@@ -195,6 +216,10 @@ def load_experiment(
             apply_set(raw, assignment)
         if seed is not None:
             raw["seed"] = seed
+        if "sweep" in raw:
+            from p2pfl.sweep import base_config  # it imports this module
+
+            return base_config(raw, file)
         return resolve(raw, file)
     except ConfigError as e:
         e.file = e.file or str(file)

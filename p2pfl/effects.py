@@ -94,10 +94,12 @@ class Evaluate:
 @dataclass(frozen=True)
 class Report:
     """Score ``state`` on the global test set and record it in ``summary.json`` under
-    ``baselines[name]`` (e.g. one-shot FedAvg computed from the same local models)."""
+    ``baselines[name]`` (e.g. one-shot FedAvg computed from the same local models). A list
+    of states is scored as an output ensemble (the mean, or ``weights``-weighted, logits)."""
 
     name: str
-    state: State
+    state: State | list[State]
+    weights: torch.Tensor | None = None  # for a list: [models, classes] logit weights
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ from typing import Any
 
 import yaml
 
+from p2pfl.codec import from_section
 from p2pfl.config import EvalConfig
 from p2pfl.data.datasets import load_dataset
 from p2pfl.data.federated import FederatedData, make_federated_data, save_partition
@@ -26,11 +27,12 @@ from p2pfl.methods.base import Method, NodeContext
 from p2pfl.metrics import MetricsLog
 from p2pfl.models import average_states
 from p2pfl.peers import Population, build_peers
+from p2pfl.runtime.launcher import launch
 from p2pfl.runtime.sim import SimRuntime
 from p2pfl.runtime.worker import Worker
 from p2pfl.seeding import derive_seed
 from p2pfl.topology import Topology, build_topology
-from p2pfl.training import TrainConfig, Trainer
+from p2pfl.training import TrainConfig, Trainer, resolve_device
 
 
 def _within(prefix: str, fn: Any, *args: Any) -> Any:
@@ -98,41 +100,66 @@ def build(config: dict[str, Any]) -> Setup:
     )  # fmt: skip
 
 
-def run(setup: Setup, out: Path, progress: bool = False) -> dict[str, Any]:
-    """Run ``setup`` in simulation, writing every output file under ``out``."""
+def run(setup: Setup, out: Path, progress: bool = False, transport: str = "sim") -> dict[str, Any]:
+    """Run ``setup`` simulated (``sim``) or as real processes (``zmq``); write to ``out``."""
     out.mkdir(parents=True, exist_ok=True)
-    (out / "config.yaml").write_text(yaml.safe_dump(setup.config, sort_keys=False))
+    config_file = out / "config.yaml"
+    config_file.write_text(yaml.safe_dump(setup.config, sort_keys=False))
     save_partition(setup.data, out)
-    summary = _summary_head(setup)
-    ledger, metrics = Ledger(out / "comm.csv"), MetricsLog(out / "metrics.csv")
-    worker = Worker(
-        setup.trainer, setup.data, setup.train, setup.population, setup.topology, setup.seed,
-        metrics, setup.eval.every, setup.method.rounds(setup.topology.num_peers), out, progress,
-    )  # fmt: skip
-    runtime = SimRuntime(setup.topology, worker, ledger)
+    summary = _summary_head(setup) | {"transport": transport}
     start = time.perf_counter()
+    clock = 0.0
+    comm: dict[str, Any] = {}
     try:
-        behaviours = {n: setup.method.behaviour(ctx) for n, ctx in setup.contexts().items()}
-        finals = runtime.run(behaviours)
-        summary |= _results(setup, worker, finals, runtime.now, metrics)
-        if worker.baselines:
-            summary["baselines"] = worker.baselines
+        if transport == "sim":
+            finals, baselines, clock, comm = _simulate(setup, out, progress)
+        else:
+            outcome = launch(setup, out, config_file)
+            finals, baselines, clock, comm = (
+                outcome.finals, outcome.baselines, outcome.elapsed_s, outcome.comm
+            )  # fmt: skip
+        summary |= _results(setup, finals, clock, MetricsLog(out / "metrics.csv", append=True))
+        if baselines:
+            summary["baselines"] = baselines
         summary["status"] = "ok"
+    except KeyboardInterrupt:
+        summary["status"] = "interrupted"
+        raise
     except Exception as e:
         summary |= {"status": "failed", "error": f"{type(e).__name__}: {e}"}
-        raise RunError(f"run failed at t={runtime.now:.3f}s: {e}") from e
+        raise RunError(f"run failed: {e}") from e
     finally:
-        worker.close()
-        ledger.close()
-        metrics.close()
         summary |= {
-            "comm": ledger.summary(),
-            "sim_time_s": runtime.now,
+            "comm": comm,
+            "sim_time_s": clock,
             "wall_time_s": time.perf_counter() - start,
             "compute_wall_s": setup.trainer.busy_s,
         }
         (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
+
+
+def _simulate(
+    setup: Setup, out: Path, progress: bool
+) -> tuple[dict[int, Finish], dict[str, float], float, dict[str, Any]]:
+    """Run every node on one SimPy clock; return finals, baselines, end time and ledger."""
+    ledger, metrics = Ledger(out / "comm.csv"), MetricsLog(out / "metrics.csv")
+    worker = Worker(
+        setup.trainer, setup.data, setup.train, setup.population, setup.topology, setup.seed,
+        metrics, setup.eval.every, setup.method.rounds(setup.topology.num_peers), out, progress,
+    )  # fmt: skip
+    compression = from_section(setup.config["compression"])
+    runtime = SimRuntime(setup.topology, worker, ledger, compression)
+    try:
+        behaviours = {n: setup.method.behaviour(ctx) for n, ctx in setup.contexts().items()}
+        finals = runtime.run(behaviours)
+    except Exception as e:
+        raise RunError(f"at t={runtime.now:.3f}s: {e}") from e
+    finally:
+        worker.close()
+        ledger.close()
+        metrics.close()
+    return finals, worker.baselines, runtime.now, ledger.summary()
 
 
 def _summary_head(setup: Setup) -> dict[str, Any]:
@@ -143,7 +170,6 @@ def _summary_head(setup: Setup) -> dict[str, Any]:
         "topology": setup.topology.kind,
         "num_peers": setup.topology.num_peers,
         "seed": setup.seed,
-        "transport": "sim",
         "status": "running",
     }
 
@@ -160,22 +186,22 @@ def final_state(finals: dict[int, Finish], topology: Topology) -> State:
 
 
 def _results(
-    setup: Setup, worker: Worker, finals: dict[int, Finish], now: float, metrics: MetricsLog
+    setup: Setup, finals: dict[int, Finish], now: float, metrics: MetricsLog
 ) -> dict[str, Any]:
-    test_x, test_y = setup.data.test_x, setup.data.test_y
-    final = final_state(finals, setup.topology)
-    acc, loss = setup.trainer.evaluate(final, test_x, test_y, worker.device(0))
+    """Score the output model and every peer's final model; log the output's rows."""
+    device = resolve_device(setup.population.profiles[0].device)
+
+    def score(state: State) -> tuple[float, float]:
+        return setup.trainer.evaluate(state, setup.data.test_x, setup.data.test_y, device)
+
+    acc, loss = score(final_state(finals, setup.topology))
     last_round = setup.method.rounds(setup.topology.num_peers)
     metrics.log(now, last_round, "final", "accuracy", acc)
     metrics.log(now, last_round, "final", "loss", loss)
+    metrics.close()
     per_peer = []
     if setup.eval.per_peer:
         for p in setup.topology.peers:
             state = finals[p].state
-            peer_acc = (
-                setup.trainer.evaluate(state, test_x, test_y, worker.device(p))[0]
-                if state is not None
-                else None
-            )
-            per_peer.append({"peer": p, "accuracy": peer_acc})
+            per_peer.append({"peer": p, "accuracy": None if state is None else score(state)[0]})
     return {"final": {"accuracy": acc, "loss": loss}, "per_peer": per_peer}

@@ -23,14 +23,20 @@ from p2pfl.options import bind
 
 @dataclass(frozen=True)
 class TrainConfig:
-    """The ``train:`` section: how every local training runs (methods may override keys)."""
+    """The ``train:`` section: how every local training runs (methods may override keys).
+
+    ``optimizer: sam`` is sharpness-aware minimisation (Foret et al., 2021; DFedSAM's local
+    optimiser) over SGD with ``momentum`` and ``weight_decay``: each step takes the gradient
+    at w + rho·g/‖g‖ and applies it at w.
+    """
 
     epochs: int = 1
     batch_size: int = 32
-    optimizer: Literal["sgd", "adam"] = "sgd"
+    optimizer: Literal["sgd", "adam", "sam"] = "sgd"
     lr: float = 0.05
     momentum: float = 0.0
     weight_decay: float = 0.0
+    rho: float = 0.05
     select: Literal["last", "best_val"] = "last"
 
     def __post_init__(self) -> None:
@@ -43,6 +49,8 @@ class TrainConfig:
             raise ConfigError("momentum", "must be in [0, 1)")
         if self.weight_decay < 0:
             raise ConfigError("weight_decay", "must be >= 0")
+        if self.rho <= 0:
+            raise ConfigError("rho", "must be > 0")
 
     def with_overrides(self, overrides: dict[str, Any]) -> TrainConfig:
         """This config with some keys replaced (checked like the YAML section)."""
@@ -51,13 +59,19 @@ class TrainConfig:
 
 @dataclass
 class TrainResult:
-    """A trained state, its validation accuracy, and the work it took."""
+    """A trained state, its validation accuracy, and the work it took.
+
+    ``train_samples`` counts forward+backward passes of one sample (SAM makes two per
+    sample); ``skipped_steps`` counts steps dropped because the regularised loss was not
+    finite.
+    """
 
     state: State
     val_accuracy: float
     train_samples: int
     eval_samples: int
     wall_s: float
+    skipped_steps: int = 0
 
 
 def resolve_device(device: str) -> torch.device:
@@ -102,7 +116,9 @@ class Trainer:
         """Train a copy of ``state`` for ``cfg.epochs`` with a fresh optimizer.
 
         With ``select: best_val`` the returned state is the epoch with the strictly best
-        validation accuracy (ties keep the earlier epoch), as in the FedELMY code.
+        validation accuracy (ties keep the earlier epoch), as in the FedELMY code. A step
+        whose regularised loss is not finite is skipped (FedELMY's −α·d1 is unbounded
+        below, specs/fedelmy.md §7.1).
         """
         start = time.perf_counter()
         model = self.module(device)
@@ -118,16 +134,21 @@ class Trainer:
             )
         x_all, y_all = data.train_x.to(device), data.train_y.to(device)
         n = len(y_all)
-        best_acc, best_state, eval_samples = -1.0, None, 0
+        best_acc, best_state, eval_samples, skipped = -1.0, None, 0, 0
         for _ in range(cfg.epochs):
             model.train()
             order = torch.randperm(n, generator=generator).to(device)
             for i in range(0, n, cfg.batch_size):
                 idx = order[i : i + cfg.batch_size]
-                ce = F.cross_entropy(model(x_all[idx]), y_all[idx])
-                loss = ce + regularizer(model, ce) if regularizer else ce
+                x, y = x_all[idx], y_all[idx]
+                loss = _loss(model, x, y, regularizer)
+                if regularizer is not None and not torch.isfinite(loss):
+                    skipped += 1
+                    continue
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
+                if cfg.optimizer == "sam":
+                    _sam_gradient(model, params, x, y, regularizer, cfg.rho)
                 opt.step()
             if cfg.select == "best_val" and len(data.val_y):
                 acc, _ = self._score(model, data.val_x, data.val_y, device)
@@ -138,7 +159,10 @@ class Trainer:
             best_state = clone_state(model.state_dict())
         wall = time.perf_counter() - start
         self.busy_s += wall
-        return TrainResult(best_state, best_acc, n * cfg.epochs, eval_samples, wall)
+        passes = 2 if cfg.optimizer == "sam" else 1
+        return TrainResult(
+            best_state, best_acc, passes * n * cfg.epochs, eval_samples, wall, skipped
+        )
 
     def evaluate(
         self, state: State, x: torch.Tensor, y: torch.Tensor, device: torch.device
@@ -168,3 +192,43 @@ class Trainer:
     def compute_flops(self, result: TrainResult) -> float:
         """FLOPs the compute model charges: 3x forward per trained sample, 1x per scored one."""
         return self.forward_flops * (3.0 * result.train_samples + result.eval_samples)
+
+
+def _loss(
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor, regularizer: Regularizer | None
+) -> torch.Tensor:
+    """Cross-entropy on one batch plus the method's regulariser, if any."""
+    ce = F.cross_entropy(model(x), y)
+    return ce + regularizer(model, ce) if regularizer else ce
+
+
+def _sam_gradient(
+    model: nn.Module,
+    params: list[nn.Parameter],
+    x: torch.Tensor,
+    y: torch.Tensor,
+    regularizer: Regularizer | None,
+    rho: float,
+) -> None:
+    """Replace the gradients g at w by the gradient at w + rho·g/‖g‖ (SAM, non-adaptive).
+
+    The first pass (the caller's) updated the BatchNorm running statistics; this second
+    pass leaves every buffer as it found it, as in the DFedSAM code. The weights go back to
+    w bit for bit, so the base optimizer then steps from w.
+    """
+    with torch.no_grad():
+        grads = [p.grad for p in params if p.grad is not None]
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+        scale = rho / (norm + 1e-12)
+        saved = [p.detach().clone() for p in params]
+        for p in params:
+            if p.grad is not None:
+                p.add_(p.grad * scale)
+        buffers = [b.detach().clone() for b in model.buffers()]
+    model.zero_grad(set_to_none=True)
+    _loss(model, x, y, regularizer).backward()
+    with torch.no_grad():
+        for p, w in zip(params, saved, strict=True):
+            p.copy_(w)
+        for b, v in zip(model.buffers(), buffers, strict=True):
+            b.copy_(v)

@@ -3,16 +3,18 @@
 A method's constructor keywords are its ``algorithm:`` YAML keys (with type hints and
 defaults). ``behaviour(ctx)`` is the generator one node runs (see :mod:`p2pfl.effects`);
 the same object serves every node, so it must keep no per-node state on ``self``.
+``transfers(plan)`` lists the messages it sends, analytically (``p2pfl cost``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import ClassVar
 
 from p2pfl.effects import Behaviour, State
 from p2pfl.errors import ConfigError
+from p2pfl.plan import Plan, Transfer
 from p2pfl.topology import Topology
 
 
@@ -64,3 +66,8 @@ class Method:
 
     def behaviour(self, ctx: NodeContext) -> Behaviour:
         raise NotImplementedError
+
+    def transfers(self, plan: Plan) -> Iterable[Transfer]:
+        """Every message the method sends on ``plan.topology``, analytically (the formula of
+        its cost, see :mod:`p2pfl.plan`); ``check`` has passed."""
+        raise NotImplementedError(f"{self.name} has no analytic cost description")

@@ -9,11 +9,14 @@ w_ij = 1 / (1 + max(deg_i, deg_j)) — symmetric and doubly stochastic; 1/N on a
 
 from __future__ import annotations
 
-from p2pfl.effects import Behaviour, Evaluate, Finish, Recv, Send, Train
+from collections.abc import Iterator
+
+from p2pfl.effects import Behaviour, Evaluate, Finish, Recv, Send, State, Train
 from p2pfl.errors import ConfigError
 from p2pfl.methods import METHODS
 from p2pfl.methods.base import Method, NodeContext
 from p2pfl.models import average_states
+from p2pfl.plan import Plan, Transfer
 from p2pfl.topology import Topology
 
 
@@ -45,11 +48,24 @@ class DFedAvgM(Method):
                 "kind", f"{self.name} is serverless; use a ring, mesh or random graph"
             )
 
+    def transfers(self, plan: Plan) -> Iterator[Transfer]:
+        """Round r (phase r): every peer sends its model to each neighbour, Σ_i deg(i)·M per
+        round: N(N−1)·M on a mesh, 2N·M on a ring."""
+        topology = plan.topology
+        for r in range(1, self.num_rounds + 1):
+            for i in topology.peers:
+                for j in topology.neighbours(i):
+                    yield plan.send(i, j, "model", r, r, plan.state)
+
+    def local_train(self, state: State, round: int) -> Train:
+        """The round's local training (a hook: DFedSAM swaps the optimiser)."""
+        return Train(state, round)
+
     def behaviour(self, ctx: NodeContext) -> Behaviour:
         weights = metropolis_weights(ctx.topology, ctx.node)
         state = ctx.init_state()
         for r in range(1, self.num_rounds + 1):
-            state = (yield Train(state, r)).state
+            state = (yield self.local_train(state, r)).state
             for j in ctx.neighbours:
                 yield Send(j, "model", r, state)
             msgs = yield Recv(count=len(ctx.neighbours), round=r)

@@ -10,6 +10,7 @@ end the server tells every peer to stop (one ``control`` message each).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Literal
 
 from p2pfl.effects import Behaviour, Evaluate, Finish, Recv, Send, State, Train
@@ -17,6 +18,7 @@ from p2pfl.errors import ConfigError
 from p2pfl.methods import METHODS
 from p2pfl.methods.base import Method, NodeContext
 from p2pfl.models import average_states
+from p2pfl.plan import Plan, Transfer
 from p2pfl.seeding import numpy_rng
 
 
@@ -45,10 +47,10 @@ class FedAvg(Method):
     def rounds(self, num_peers: int) -> int:
         return self.num_rounds
 
-    def sample(self, ctx: NodeContext, round: int) -> list[int]:
+    def sample(self, peers: list[int], seed: int, round: int) -> list[int]:
         """The peers taking part in ``round`` (seeded, sorted)."""
-        k = max(1, round_half(self.participation * len(ctx.peers)))
-        chosen = numpy_rng(ctx.seed, "participation", round).choice(ctx.peers, k, replace=False)
+        k = max(1, round_half(self.participation * len(peers)))
+        chosen = numpy_rng(seed, "participation", round).choice(peers, k, replace=False)
         return sorted(int(p) for p in chosen)
 
     def behaviour(self, ctx: NodeContext) -> Behaviour:
@@ -57,7 +59,7 @@ class FedAvg(Method):
     def server(self, ctx: NodeContext) -> Behaviour:
         state = ctx.init_state()
         for r in range(1, self.num_rounds + 1):
-            chosen = self.sample(ctx, r)
+            chosen = self.sample(ctx.peers, ctx.seed, r)
             for p in chosen:
                 yield Send(p, "model", r, state)
             models = yield Recv(count=len(chosen), round=r)
@@ -84,6 +86,23 @@ class FedAvg(Method):
             if self.weighting == "samples":
                 yield Send(msg.src, "control", msg.round, {}, {"num_samples": ctx.num_samples})
         yield Finish(held)
+
+    def transfers(self, plan: Plan) -> Iterator[Transfer]:
+        """Round r: K models down (phase 2r−1), K models and, with ``weighting: samples``, K
+        sample counts up (phase 2r); then N stop messages. R·(2K·M + K·C_n) + N·C_stop."""
+        server, peers = plan.topology.server, plan.topology.peers
+        for r in range(1, self.num_rounds + 1):
+            chosen = self.sample(peers, plan.seed, r)
+            for p in chosen:
+                yield plan.send(server, p, "model", r, 2 * r - 1, plan.state)
+            for p in chosen:
+                yield plan.send(p, server, "model", r, 2 * r, plan.state)
+                if self.weighting == "samples":
+                    meta = {"num_samples": plan.num_train[p]}
+                    yield plan.send(p, server, "control", r, 2 * r, meta=meta)
+        last, stop = self.num_rounds, 2 * self.num_rounds + 1
+        for p in peers:
+            yield plan.send(server, p, "control", last, stop, meta={"stop": True})
 
     def local_train(self, state: State, round: int) -> Train:
         """The local training step (FedProx adds its proximal term here)."""

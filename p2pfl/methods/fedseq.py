@@ -7,12 +7,14 @@ the first and the chain repeats, T·N−1 models in all. The output is the last 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Literal
 
 from p2pfl.effects import Behaviour, Evaluate, Finish, Recv, Send, State, Train
 from p2pfl.errors import ConfigError
 from p2pfl.methods import METHODS
 from p2pfl.methods.base import Method, NodeContext
+from p2pfl.plan import Plan, Transfer
 from p2pfl.seeding import numpy_rng
 from p2pfl.topology import Topology
 
@@ -67,6 +69,15 @@ class FedSeq(Method):
             if hop < self.cycles * n:
                 yield Send(chain[(pos + 1) % n], "model", hop, state)
         yield Finish(state, output=pos == n - 1)
+
+    def transfers(self, plan: Plan) -> Iterator[Transfer]:
+        """Hop h (round and phase h) moves one model to the next peer of the chain:
+        (T·N − 1)·M in all."""
+        chain = self.chain(plan.topology.peers, plan.seed)
+        n = len(chain)
+        for hop in range(1, self.cycles * n):
+            pos = (hop - 1) % n
+            yield plan.send(chain[pos], chain[(pos + 1) % n], "model", hop, hop, plan.state)
 
     def start(self, ctx: NodeContext) -> State:
         """The model the first peer starts from."""

@@ -16,6 +16,7 @@ from tqdm import tqdm
 
 from p2pfl.data.federated import FederatedData
 from p2pfl.effects import Artifact, Compute, Effect, Evaluate, Log, Report, Train
+from p2pfl.ensemble import score_ensemble
 from p2pfl.heatmap import save_heatmap, save_matrix_csv
 from p2pfl.metrics import MetricsLog
 from p2pfl.peers import Population
@@ -111,9 +112,13 @@ class Worker:
 
     def report(self, node: int, eff: Report) -> tuple[float, float]:
         """Score a baseline model and keep its accuracy for ``summary.json``."""
-        acc, loss = self.trainer.evaluate(
-            eff.state, self.data.test_x, self.data.test_y, self.device(node)
-        )
+        x, y, device = self.data.test_x, self.data.test_y, self.device(node)
+        if isinstance(eff.state, list):
+            acc, loss = score_ensemble(
+                self.trainer.module(device), eff.state, x, y, device, eff.weights
+            )
+        else:
+            acc, loss = self.trainer.evaluate(eff.state, x, y, device)
         self.baselines[eff.name] = acc
         return acc, loss
 

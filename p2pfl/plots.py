@@ -1,0 +1,311 @@
+"""Pictures of finished runs, sweeps and cost tables (PNG and SVG, matplotlib's object API).
+
+``p2pfl plot RUN_DIR... [--out DIR]`` takes run directories and sweep directories (a sweep
+stands for its finished cells, and cells that differ only in ``seed`` form one line, the
+mean over those runs). It writes:
+
+- ``accuracy``: test accuracy against round, against bytes delivered and against simulated
+  time. A round's point is the mean of the accuracies logged for that round (one per peer
+  for decentralized methods: the legend then says "mean over peers"), at the last of their
+  times, with the bytes of every message that had arrived by then.
+- ``traffic``: each line's topology, every link drawn with width and colour by the bytes it
+  carried (both directions; the mean over a line's runs), from ``comm.csv`` and
+  ``config.yaml``.
+- ``partition-I``: the samples-per-class heat-map of every distinct partition (I = 1, 2, ...;
+  the title names the first run that has it).
+"""
+
+from __future__ import annotations
+
+import csv
+from bisect import bisect_right
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import networkx as nx
+import numpy as np
+import yaml
+from matplotlib import colormaps
+from matplotlib.cm import ScalarMappable
+from matplotlib.colors import Normalize
+from matplotlib.figure import Figure
+
+from p2pfl.errors import ConfigError
+from p2pfl.heatmap import save_heatmap
+from p2pfl.seeding import derive_seed
+from p2pfl.topology import Topology, build_topology
+
+FORMATS = ("png", "svg")
+LINES = ("-", "--", ":", "-.")  # line i gets style i, so identical curves stay visible
+MARKERS = ("o", "s", "^", "D", "v")
+
+
+@dataclass
+class Run:
+    """A finished run directory's outputs."""
+
+    path: Path
+    config: dict[str, Any]
+    metrics: list[dict[str, str]]
+    comm: list[dict[str, str]]
+
+
+def _rows(path: Path) -> list[dict[str, str]]:
+    with path.open(newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def read_run(path: Path) -> Run:
+    try:
+        config = yaml.safe_load((path / "config.yaml").read_text())
+        return Run(path, config, _rows(path / "metrics.csv"), _rows(path / "comm.csv"))
+    except OSError as e:
+        raise ConfigError("", f"not a finished run: {e.strerror}: {e.filename}") from None
+
+
+def line_name(keys: list[str], labels: dict[str, Any]) -> str:
+    """A sweep combination's name: its labels, a dotted key's as ``LEAF=LABEL``; no seed."""
+    parts = [f"{k.rsplit('.', 1)[-1]}={labels[k]}" if "." in k else str(labels[k]) for k in keys]
+    return " · ".join(p for k, p in zip(keys, parts, strict=True) if k != "seed") or "all"
+
+
+def expand(paths: list[Path]) -> list[tuple[str, list[Run]]]:
+    """(label, runs) lines: a run is its own line; a sweep's finished cells are grouped by
+    every sweep key but ``seed``."""
+    lines = []
+    for path in paths:
+        if (path / "summary.json").is_file():
+            lines.append((path.name, [read_run(path)]))
+        elif (path / "cells.csv").is_file():
+            rows = _rows(path / "cells.csv")
+            keys = list(rows[0])[: list(rows[0]).index("cell")] if rows else []
+            groups: dict[str, list[Run]] = {}
+            for row in rows:
+                if row["status"] in ("ok", "done"):
+                    name = line_name(keys, row)
+                    groups.setdefault(name, []).append(read_run(path / row["cell"]))
+            lines += groups.items()
+        else:
+            raise ConfigError("", f"{path} is neither a run (summary.json) nor a sweep (cells.csv)")
+    if not lines:
+        raise ConfigError("", "no finished runs to plot")
+    return lines
+
+
+def curve(run: Run) -> tuple[np.ndarray, bool]:
+    """Per evaluated round: [round, mean accuracy, bytes delivered, time]; and whether
+    several peers were averaged in a round."""
+    points: dict[int, list[tuple[float, float]]] = defaultdict(list)
+    for r in run.metrics:
+        if r["metric"] == "accuracy" and r["peer"] != "final":
+            points[int(r["round"])].append((float(r["value"]), float(r["time"])))
+    arrivals = sorted((float(r["arrival"]), int(r["bytes"])) for r in run.comm)
+    times = [a for a, _ in arrivals]
+    delivered = np.concatenate([[0], np.cumsum([b for _, b in arrivals])])
+    out = []
+    for rnd in sorted(points):
+        acc, when = zip(*points[rnd], strict=True)
+        t = max(when)
+        out.append([rnd, float(np.mean(acc)), delivered[bisect_right(times, t)], t])
+    per_peer = any(len(p) > 1 for p in points.values())
+    return np.array(out, dtype=float).reshape(-1, 4), per_peer
+
+
+def mean_curve(runs: list[Run]) -> tuple[np.ndarray, bool]:
+    """The runs' curves averaged point by point over the rounds they all have."""
+    curves = [curve(r) for r in runs]
+    common = set.intersection(*(set(c[:, 0]) for c, _ in curves))
+    rows = [c[np.isin(c[:, 0], sorted(common))] for c, _ in curves]
+    return np.mean(rows, axis=0), any(p for _, p in curves)
+
+
+def save(fig: Figure, out: Path, stem: str) -> list[Path]:
+    paths = [out / f"{stem}.{fmt}" for fmt in FORMATS]
+    for path in paths:
+        fig.savefig(path, dpi=110)
+    return paths
+
+
+def accuracy_figure(lines: list[tuple[str, list[Run]]]) -> Figure:
+    fig = Figure(figsize=(15, 4.8), layout="constrained")
+    axes = fig.subplots(1, 3, sharey=True)
+    for i, (name, runs) in enumerate(lines):
+        c, per_peer = mean_curve(runs)
+        notes = (["mean over peers"] if per_peer else []) + (
+            [f"mean of {len(runs)} runs"] if len(runs) > 1 else []
+        )
+        text = f"{name} ({', '.join(notes)})" if notes else name
+        style = {"linestyle": LINES[i % len(LINES)], "marker": MARKERS[i % len(MARKERS)]}
+        for ax, x in zip(axes, (c[:, 0], c[:, 2] / 1e6, c[:, 3]), strict=True):
+            ax.plot(x, c[:, 1], markersize=3, label=text, **style)
+    axes[0].set(xlabel="round", ylabel="test accuracy")
+    axes[1].set(xlabel="bytes delivered (MB, log scale; 0 not shown)", xscale="log")
+    axes[2].set(xlabel="simulated time (s)")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="outside lower center", ncols=min(3, len(labels)), fontsize=8)
+    fig.suptitle("Test accuracy of the output model per round")
+    return fig
+
+
+def topology_of(run: Run) -> Topology:
+    c = run.config
+    seed = derive_seed(c["seed"], "topology")
+    return build_topology(c["topology"], c["peers"]["count"], seed)
+
+
+def link_bytes(run: Run, topology: Topology) -> dict[frozenset[int], int]:
+    """Bytes per link (both directions) from ``comm.csv``."""
+    node = {topology.name(n): n for n in topology.graph.nodes}
+    out: dict[frozenset[int], int] = defaultdict(int)
+    for r in run.comm:
+        out[frozenset((node[r["src"]], node[r["dst"]]))] += int(r["bytes"])
+    return out
+
+
+def layout(topology: Topology) -> dict[int, np.ndarray]:
+    """Peers on a circle (from the top, clockwise), a star's centre in the middle."""
+    n = topology.num_peers
+    angles = np.pi / 2 - 2 * np.pi * np.arange(n) / n
+    pos = {p: np.array([np.cos(a), np.sin(a)]) for p, a in zip(topology.peers, angles, strict=True)}
+    if topology.server is not None:
+        pos[topology.server] = np.zeros(2)
+    return pos
+
+
+def traffic_figure(lines: list[tuple[str, list[Run]]]) -> Figure:
+    drawn = []
+    for name, runs in lines:
+        topology = topology_of(runs[0])
+        per_run = [link_bytes(r, topology) for r in runs]
+        edges = list(topology.graph.edges)
+        values = [np.mean([b[frozenset(e)] for b in per_run]) / 1e6 for e in edges]
+        drawn.append((name, topology, edges, values))
+    top = max(max(v) for *_, v in drawn) or 1.0
+    norm, cmap = Normalize(0, top), colormaps["viridis"]
+    cols = min(3, len(drawn))
+    rows = -(-len(drawn) // cols)
+    fig = Figure(figsize=(4.2 * cols + 1, 4.2 * rows), layout="constrained")
+    axes = np.atleast_1d(fig.subplots(rows, cols, squeeze=False)).ravel()
+    for ax, (name, topology, edges, values) in zip(axes, drawn, strict=False):
+        pos = layout(topology)
+        idle = [e for e, v in zip(edges, values, strict=True) if v == 0]
+        nx.draw_networkx_edges(
+            topology.graph, pos, ax=ax, edgelist=idle, style=":", edge_color="#bbbbbb"
+        )
+        order = [i for i in np.argsort(values) if values[i] > 0]  # heavy links on top
+        nx.draw_networkx_edges(
+            topology.graph, pos, ax=ax, edgelist=[edges[i] for i in order],
+            width=[1 + 6 * values[i] / top for i in order],
+            edge_color=[cmap(norm(values[i])) for i in order],
+        )  # fmt: skip
+        nx.draw_networkx_nodes(topology.graph, pos, ax=ax, node_size=220, node_color="#dddddd")
+        labels = {n: "S" if n == topology.server else str(n) for n in topology.graph.nodes}
+        nx.draw_networkx_labels(topology.graph, pos, labels, ax=ax, font_size=7)
+        ax.set_title(f"{name}\n{sum(values):.3g} MB on {topology.kind} links", fontsize=8)
+        ax.set_axis_off()
+    for ax in axes[len(drawn) :]:
+        ax.set_axis_off()
+    label = "MB per link, both directions (mean over runs); dotted: unused"
+    fig.colorbar(ScalarMappable(norm, cmap), ax=axes.tolist(), shrink=0.7, label=label)
+    return fig
+
+
+def save_partitions(lines: list[tuple[str, list[Run]]], out: Path) -> list[Path]:
+    """One heat-map per distinct ``partition.csv``: ``partition-I``, titled by its first run."""
+    seen: set[str] = set()
+    paths = []
+    for _, runs in lines:
+        for run in runs:
+            text = (run.path / "partition.csv").read_text()
+            if text in seen:
+                continue
+            seen.add(text)
+            counts = np.array(
+                [[int(v) for v in row[1:-1]] for row in csv.reader(text.splitlines()[1:])]
+            )
+            for fmt in FORMATS:
+                path = out / f"partition-{len(seen)}.{fmt}"
+                title = f"Samples per peer and class\n{run.path.name}"
+                save_heatmap(counts, path, title, "class", "peer", colorbar="samples")
+                paths.append(path)
+    return paths
+
+
+def plot_runs(paths: list[Path], out: Path) -> list[Path]:
+    """Every figure of the runs (and sweeps) in ``paths``, written to ``out``."""
+    lines = expand(paths)
+    out.mkdir(parents=True, exist_ok=True)
+    written = save(accuracy_figure(lines), out, "accuracy")
+    written += save(traffic_figure(lines), out, "traffic")
+    return written + save_partitions(lines, out)
+
+
+def bar_panels(
+    fig: Figure, names: list[str], panels: list[tuple[str, list[float], list[float]]]
+) -> None:
+    """One bar per name in each (title, values, errors) panel."""
+    axes = fig.subplots(1, len(panels))
+    x = np.arange(len(names))
+    for ax, (title, values, errors) in zip(axes, panels, strict=True):
+        ax.bar(x, values, yerr=errors, capsize=3, color=colormaps["tab10"](x % 10))
+        ax.set_xticks(x, names, rotation=60, ha="right", fontsize=7)
+        ax.set_title(title, fontsize=10)
+        ax.grid(axis="y", alpha=0.3)
+
+
+def sweep_chart(keys: list[str], rows: list[dict[str, Any]], out: Path) -> list[Path]:
+    """``sweep``: mean ± std of accuracy, total bytes and simulated time per combination."""
+    ran = [r for r in rows if r["runs"]]
+    if not ran:
+        return []
+    names = [line_name(keys, r) for r in ran]
+    fig = Figure(figsize=(max(9, 1.1 * len(ran) * 1.5), 4.8), layout="constrained")
+    panels = [
+        (title, [r[f"{stat}_mean"] / scale for r in ran], [r[f"{stat}_std"] / scale for r in ran])
+        for stat, scale, title in (
+            ("accuracy", 1, "final accuracy"),
+            ("total_bytes", 1e6, "total MB sent"),
+            ("sim_time_s", 1, "simulated time (s)"),
+        )
+    ]
+    bar_panels(fig, names, panels)
+    fig.suptitle("Sweep: mean ± sample std over seeds")
+    return save(fig, out, "sweep")
+
+
+def cost_chart(rows: list[dict[str, Any]], out: Path) -> list[Path]:
+    """``cost``: total bytes and communication time (log scales), one bar per topology in
+    each method's group, "n/a" where the method does not fit the topology."""
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    kinds = list(dict.fromkeys(r["topology"] for r in rows))
+    cell = {(r["method"], r["topology"]): r for r in rows}
+    fig = Figure(figsize=(max(7.0, 1.1 * len(methods) + 2), 7), layout="constrained")
+    axes = fig.subplots(2, 1, sharex=True)
+    width = 0.8 / len(kinds)
+    x = np.arange(len(methods))
+    panels = [("total_bytes", 1e6, "total MB sent"), ("comm_time_s", 1.0, "communication time (s)")]
+    for ax, (key, scale, title) in zip(axes, panels, strict=True):
+        for j, kind in enumerate(kinds):
+            pos = x - 0.4 + width * (j + 0.5)
+            values = [cell[(m, kind)].get(key) for m in methods]
+            heights = [np.nan if v is None else v / scale for v in values]
+            bars = ax.bar(pos, heights, width, label=kind)
+            ax.bar_label(bars, fmt="%.4g", fontsize=6, rotation=90, padding=2)
+            for p, v in zip(pos, values, strict=True):
+                if v is None:
+                    ax.text(p, 0.02, "n/a", transform=ax.get_xaxis_transform(), ha="center",
+                            va="bottom", fontsize=7, rotation=90, color="grey")  # fmt: skip
+        ax.set_yscale("log")
+        ax.margins(y=0.25)
+        ax.set_ylabel(title)
+        ax.grid(axis="y", alpha=0.3)
+    only = {r["method"] for r in rows if r["note"].startswith("cost only")}
+    names = [f"{m}\n(cost only)" if m in only else m for m in methods]
+    axes[1].set_xticks(x, names, rotation=30, ha="right")
+    axes[0].legend(title="topology", fontsize=8)
+    fig.suptitle("Analytic communication cost per method and topology")
+    return save(fig, out, "cost")

@@ -1,0 +1,264 @@
+"""Sweeps: one experiment file, a grid of values, one run per cell, one comparison table.
+
+An experiment with a top-level ``sweep:`` mapping runs once per combination of its values
+(the Cartesian product, keys varying left to right, the last fastest). A key is a section
+name (``algorithm``, ``topology``, ``seed``, ...) or a dotted key path as in ``--set``
+(``algorithm.alpha``). For a section, a mapping value replaces the whole section and a
+string is shorthand for ``{kind: VALUE}`` (topology) or ``{name: VALUE}`` (every other
+section); dotted keys are set after the sections. Every cell is checked before anything
+runs, so a bad key stops the sweep at once. A cell whose method does not fit its topology
+(or that cannot be built, e.g. too many peers for the partition) is skipped with the
+reason; a cell whose run fails is reported and the sweep goes on (exit code 1 at the end).
+
+Cell ``i`` runs in ``OUT/KEY=LABEL,KEY=LABEL,...``; it is resumable: a cell whose
+``summary.json`` says ``ok`` and whose ``config.yaml`` is the cell's config is not run
+again. At the end the sweep writes ``cells.csv`` (one row per cell), ``sweep.csv`` (one
+row per combination of the non-seed keys: mean ± sample std over its runs of final
+accuracy, total bytes and simulated time), prints that table, and draws its figures
+(:mod:`p2pfl.plots`).
+"""
+
+from __future__ import annotations
+
+import copy
+import csv
+import itertools
+import json
+import re
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from p2pfl.config import SECTIONS, apply_set, read_yaml, resolve
+from p2pfl.errors import ConfigError, RunError
+from p2pfl.experiment import build, run
+
+SHORTHAND = {"topology": "kind"}
+"""The key a string value of a section stands for (``name`` for the other sections)."""
+CELL_COLUMNS = ["cell", "status", "reason", "accuracy", "total_bytes", "sim_time_s", "wall_time_s"]
+STATS = ("accuracy", "total_bytes", "sim_time_s")
+
+
+@dataclass
+class Cell:
+    """One point of the grid: the value of every sweep key, and its resolved config."""
+
+    values: dict[str, Any]
+    labels: dict[str, str]
+    config: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return ",".join(f"{k}={v}" for k, v in self.labels.items())
+
+
+def split(raw: dict[str, Any]) -> tuple[dict[str, Any], dict[str, list[Any]]]:
+    """An experiment mapping without its ``sweep:`` section, and that section checked
+    (empty when there is none)."""
+    if "sweep" not in raw:
+        return raw, {}
+    base = {k: v for k, v in raw.items() if k != "sweep"}
+    grid = raw["sweep"]
+    if not isinstance(grid, dict) or not grid:
+        raise ConfigError("sweep", "must be a non-empty mapping of key: [values]")
+    for key, values in grid.items():
+        if key == "name" or key.split(".")[0] not in SECTIONS:
+            raise ConfigError(f"sweep.{key}", "must be a section or a dotted key path")
+        if not isinstance(values, list) or not values:
+            raise ConfigError(f"sweep.{key}", "must be a non-empty list of values")
+    return base, grid
+
+
+def base_config(raw: dict[str, Any], file: Path) -> dict[str, Any]:
+    """A sweep file read as one experiment (``p2pfl cost``, ``p2pfl peer``): its base, the
+    file without ``sweep:``, resolved once every cell has resolved."""
+    base, grid = split(raw)
+    cells(base, grid, file)
+    return resolve(base, file)
+
+
+def load(
+    path: str | Path, sets: Sequence[str] = (), seed: int | None = None
+) -> tuple[dict[str, Any], dict[str, list[Any]]]:
+    """The experiment's raw mapping (``--set``/``--seed`` applied) and its ``sweep:``
+    section (empty when there is none)."""
+    file = Path(path)
+    try:
+        raw = read_yaml(file, "experiment file")
+        for assignment in sets:
+            apply_set(raw, assignment)
+        if seed is not None:
+            raw["seed"] = seed
+        return split(raw)
+    except ConfigError as e:
+        e.file = e.file or str(file)
+        raise
+
+
+def label(value: Any) -> str:
+    """A value as a directory-name part: a mapping as its name (or kind) then ``_KEY-VALUE``."""
+    if isinstance(value, dict):
+        head = value.get("name", value.get("kind", ""))
+        rest = [f"{k}-{label(v)}" for k, v in value.items() if k not in ("name", "kind")]
+        text = "_".join([str(head), *rest]) if head else "_".join(rest)
+    elif isinstance(value, list):
+        text = "-".join(label(v) for v in value)
+    else:
+        text = str(value)
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", text)
+
+
+def apply(raw: dict[str, Any], values: dict[str, Any]) -> dict[str, Any]:
+    """``raw`` with one cell's values: whole sections first, then dotted keys."""
+    out = copy.deepcopy(raw)
+    for key, value in sorted(values.items(), key=lambda kv: "." in kv[0]):
+        if "." in key:
+            apply_set(out, f"{key}={json.dumps(value)}")
+        elif isinstance(value, str) and key != "seed":
+            out[key] = {SHORTHAND.get(key, "name"): value}
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def cells(raw: dict[str, Any], grid: dict[str, list[Any]], file: Path) -> list[Cell]:
+    """Every cell of the grid with its resolved config; a bad cell is a ``ConfigError``."""
+    for key, values in grid.items():
+        names = [label(v) for v in values]
+        if len(set(names)) != len(names):
+            raise ConfigError(
+                f"sweep.{key}", f"two values share a directory label: {names}", str(file)
+            )
+    out = []
+    for combo in itertools.product(*grid.values()):
+        values = dict(zip(grid, combo, strict=True))
+        cell = Cell(values, {k: label(v) for k, v in values.items()})
+        try:
+            cell.config = resolve(apply(raw, values), file)
+        except ConfigError as e:
+            e.file = e.file or str(file)
+            e.key = f"{e.key} (sweep cell {cell.name})"
+            raise
+        out.append(cell)
+    return out
+
+
+def finished(out: Path, config: dict[str, Any]) -> dict[str, Any] | None:
+    """The cell's summary if it already ran to the end with exactly this config."""
+    try:
+        summary = json.loads((out / "summary.json").read_text())
+        same = (out / "config.yaml").read_text() == yaml.safe_dump(config, sort_keys=False)
+    except (OSError, ValueError):
+        return None
+    return summary if summary.get("status") == "ok" and same else None
+
+
+def run_cell(cell: Cell, out: Path, progress: bool, transport: str) -> dict[str, Any]:
+    """One cell's row for ``cells.csv``: run it unless it is done or does not fit."""
+    row: dict[str, Any] = {"cell": cell.name, "reason": ""}
+    summary = finished(out, cell.config)
+    if summary is not None:
+        row["status"] = "done"
+    else:
+        try:
+            setup = build(cell.config)
+        except ConfigError as e:
+            return row | {"status": "skipped", "reason": str(e)}
+        try:
+            summary = run(setup, out, progress, transport)
+            row["status"] = "ok"
+        except RunError as e:
+            return row | {"status": "failed", "reason": str(e)}
+    return row | {
+        "accuracy": summary["final"]["accuracy"],
+        "total_bytes": summary["comm"]["total_bytes"],
+        "sim_time_s": summary["sim_time_s"],
+        "wall_time_s": summary["wall_time_s"],
+    }
+
+
+def mean_std(xs: list[float]) -> tuple[float, float]:
+    """Mean and sample standard deviation (0 for a single run)."""
+    return statistics.fmean(xs), statistics.stdev(xs) if len(xs) > 1 else 0.0
+
+
+def table(grid: dict[str, list[Any]], rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``sweep.csv``'s rows: cells grouped by every key but ``seed``, in grid order."""
+    keys = [k for k in grid if k != "seed"]
+    groups: dict[tuple, list[dict[str, Any]]] = {}
+    for row in rows:
+        groups.setdefault(tuple(row[k] for k in keys), []).append(row)
+    out = []
+    for group, members in groups.items():
+        ran = [r for r in members if r["status"] in ("ok", "done")]
+        entry: dict[str, Any] = dict(zip(keys, group, strict=True)) | {"runs": len(ran)}
+        entry["note"] = "; ".join(
+            dict.fromkeys(f"{r['status']}: {r['reason']}" for r in members if r not in ran)
+        )
+        for stat in STATS:
+            if ran:
+                entry[f"{stat}_mean"], entry[f"{stat}_std"] = mean_std([r[stat] for r in ran])
+        out.append(entry)
+    return out
+
+
+def write_csv(path: Path, rows: list[dict[str, Any]], columns: list[str]) -> None:
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, columns, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def format_table(keys: list[str], rows: list[dict[str, Any]]) -> str:
+    """``sweep.csv`` as aligned text: accuracy, total bytes and sim time as mean ± std."""
+    lines = [[*keys, "runs", "accuracy", "total bytes", "sim time (s)", "note"]]
+    for r in rows:
+        stats = ["-"] * 3
+        if r["runs"]:
+            stats = [
+                f"{r['accuracy_mean']:.4f} ± {r['accuracy_std']:.4f}",
+                f"{r['total_bytes_mean']:,.0f} ± {r['total_bytes_std']:,.0f}",
+                f"{r['sim_time_s_mean']:.3f} ± {r['sim_time_s_std']:.3f}",
+            ]
+        lines.append([*(str(r[k]) for k in keys), str(r["runs"]), *stats, r["note"]])
+    width = [max(len(line[i]) for line in lines) for i in range(len(lines[0]))]
+    return "\n".join(
+        "  ".join(c.ljust(w) for c, w in zip(line, width, strict=True)).rstrip() for line in lines
+    )
+
+
+def run_sweep(
+    file: Path,
+    raw: dict[str, Any],
+    grid: dict[str, list[Any]],
+    out: Path,
+    progress: bool,
+    transport: str = "sim",
+) -> int:
+    """Run every cell of the grid under ``out``; write the tables and figures. Returns the
+    exit code: 1 if a cell's run failed, else 0."""
+    from p2pfl import plots
+
+    todo = cells(raw, grid, file)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for i, cell in enumerate(todo, 1):
+        row = run_cell(cell, out / cell.name, progress, transport) | cell.labels
+        rows.append(row)
+        detail = f"accuracy {row['accuracy']:.4f}" if "accuracy" in row else row["reason"]
+        print(f"[{i}/{len(todo)}] {cell.name}: {row['status']} ({detail})", flush=True)
+    write_csv(out / "cells.csv", rows, [*grid, *CELL_COLUMNS])
+    summary = table(grid, rows)
+    keys = [k for k in grid if k != "seed"]
+    columns = [*keys, "runs", *(f"{s}_{m}" for s in STATS for m in ("mean", "std")), "note"]
+    write_csv(out / "sweep.csv", summary, columns)
+    print(format_table(keys, summary))
+    plots.sweep_chart(keys, summary, out)
+    if any(r["status"] in ("ok", "done") for r in rows):
+        plots.plot_runs([out], out)
+    print(f"wrote {out / 'sweep.csv'} and figures in {out}")
+    return 1 if any(r["status"] == "failed" for r in rows) else 0

@@ -1,0 +1,105 @@
+"""Pictures: valid PNG and SVG files, and curves that read the run's own numbers."""
+
+from __future__ import annotations
+
+import csv
+import json
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import run_experiment
+from p2pfl import plots
+from p2pfl.cli import main
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, Path]:
+    """Two tiny finished runs: FedAvg on a star, DFedAvgM on a ring."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny models train much faster on one thread
+    root = tmp_path_factory.mktemp("runs")
+    common = {"model": {"name": "mlp", "hidden": [8]}, "peers": {"count": 4}}
+    run_experiment(root / "fedavg", algorithm={"name": "fedavg", "rounds": 2}, **common)
+    run_experiment(
+        root / "dfedavgm", topology={"kind": "ring"}, algorithm={"name": "dfedavgm", "rounds": 2},
+        **common,
+    )  # fmt: skip
+    torch.set_num_threads(threads)
+    return {"fedavg": root / "fedavg", "dfedavgm": root / "dfedavgm"}
+
+
+def valid(path: Path) -> bool:
+    if path.suffix == ".png":
+        return path.read_bytes().startswith(PNG)
+    return ET.parse(path).getroot().tag.endswith("svg")
+
+
+def rows(path: Path) -> list[dict[str, str]]:
+    with path.open() as f:
+        return list(csv.DictReader(f))
+
+
+def test_plot_writes_valid_png_and_svg(runs, tmp_path, capsys):
+    out = tmp_path / "plots"
+    assert main(["plot", str(runs["fedavg"]), str(runs["dfedavgm"]), "--out", str(out)]) == 0
+    names = {p.name for p in out.iterdir()}
+    stems = ("accuracy", "traffic", "partition-1")  # both runs share seed 0's partition
+    assert names == {f"{s}.{fmt}" for s in stems for fmt in ("png", "svg")}
+    assert all(valid(p) for p in out.iterdir())
+    assert main(["plot", str(tmp_path / "nowhere")]) == 2
+    assert "neither a run" in capsys.readouterr().err
+
+
+def test_default_output_is_the_first_run_plots_folder(runs):
+    assert main(["plot", str(runs["fedavg"])]) == 0
+    assert valid(runs["fedavg"] / "plots" / "accuracy.svg")
+
+
+def test_curves_average_peers_and_count_delivered_bytes(runs):
+    run = plots.read_run(runs["dfedavgm"])
+    points, per_peer = plots.curve(run)
+    assert per_peer
+    for rnd, acc, delivered, _ in points:
+        logged = [
+            float(r["value"]) for r in run.metrics
+            if r["metric"] == "accuracy" and r["peer"] != "final" and int(r["round"]) == rnd
+        ]  # fmt: skip
+        assert len(logged) == 4 and acc == pytest.approx(sum(logged) / 4)
+        assert delivered == sum(int(r["bytes"]) for r in run.comm if int(r["round"]) <= rnd)
+    fedavg, per_peer = plots.curve(plots.read_run(runs["fedavg"]))
+    assert not per_peer and list(fedavg[:, 0]) == [1, 2]
+    comm = rows(runs["fedavg"] / "comm.csv")
+    assert fedavg[0, 2] == sum(int(r["bytes"]) for r in comm if r["round"] == "1")
+
+
+def test_traffic_counts_every_byte_on_its_link(runs):
+    run = plots.read_run(runs["fedavg"])
+    topology = plots.topology_of(run)
+    per_link = plots.link_bytes(run, topology)
+    total = json.loads((runs["fedavg"] / "summary.json").read_text())["comm"]["total_bytes"]
+    assert sum(per_link.values()) == total
+    assert set(per_link) == {frozenset((p, topology.server)) for p in topology.peers}
+
+
+def test_cost_and_sweep_charts_are_valid(tmp_path):
+    cost_rows = [
+        {"method": "a", "topology": "ring", "total_bytes": 2e6, "comm_time_s": 0.5, "note": ""},
+        {"method": "a", "topology": "star", "total_bytes": None, "comm_time_s": None,
+         "note": "a runs on ring"},
+    ]  # fmt: skip
+    sweep_rows = [
+        {"algorithm": "a", "runs": 2, "accuracy_mean": 0.5, "accuracy_std": 0.1,
+         "total_bytes_mean": 1e6, "total_bytes_std": 0.0, "sim_time_s_mean": 1.0,
+         "sim_time_s_std": 0.2},
+        {"algorithm": "b", "runs": 0},
+    ]  # fmt: skip
+    written = plots.cost_chart(cost_rows, tmp_path) + plots.sweep_chart(
+        ["algorithm"], sweep_rows, tmp_path
+    )
+    assert [p.name for p in written] == ["cost.png", "cost.svg", "sweep.png", "sweep.svg"]
+    assert all(valid(p) for p in written)

@@ -1,0 +1,148 @@
+"""Sweeps: the grid, skipped cells with their reason, the comparison table, resuming."""
+
+from __future__ import annotations
+
+import csv
+import json
+import statistics
+
+import pytest
+import torch
+import yaml
+
+from p2pfl import plots, sweep
+from p2pfl.cli import main
+from p2pfl.errors import ConfigError
+
+BASE = {
+    "name": "mini",
+    "dataset": {"name": "digits"},
+    "model": {"name": "mlp", "hidden": [8]},
+    "topology": {"kind": "star"},
+    "peers": {"count": 3},
+    "algorithm": {"name": "fedavg", "rounds": 1},
+    "train": {"epochs": 1, "batch_size": 64, "lr": 0.05},
+}
+GRID = {
+    "algorithm": [{"name": "fedavg", "rounds": 1}, "dfedavgm"],
+    "topology": ["ring", "star"],
+    "seed": [0, 1],
+    "algorithm.rounds": [1],
+}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models train much faster on one thread, above all on a shared machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def write(tmp_path, grid=GRID, **changes):
+    file = tmp_path / "sweep.yaml"
+    file.write_text(yaml.safe_dump(BASE | changes | {"sweep": grid}, sort_keys=False))
+    return str(file)
+
+
+def rows(path):
+    with path.open() as f:
+        return list(csv.DictReader(f))
+
+
+def test_values_apply_as_sections_shorthands_and_dotted_keys():
+    raw = {"topology": {"kind": "star", "link": {}}, "algorithm": {"name": "fedavg", "rounds": 5}}
+    values = {"algorithm.cycles": 2, "algorithm": "fedseq", "topology": "ring", "seed": 3}
+    assert sweep.apply(raw, values) == {
+        "topology": {"kind": "ring"},
+        "algorithm": {"name": "fedseq", "cycles": 2},
+        "seed": 3,
+    }
+    assert sweep.apply(raw, {"topology": {"kind": "mesh", "link": {"latency_s": 0}}}) == raw | {
+        "topology": {"kind": "mesh", "link": {"latency_s": 0}}
+    }
+    assert sweep.label({"name": "fedavg", "rounds": 5}) == "fedavg_rounds-5"
+    assert sweep.label([64, 32]) == "64-32"
+    assert sweep.label("a b/c") == "a-b-c"
+
+
+def test_sweep_runs_the_grid_skips_misfits_and_writes_the_table(tmp_path, capsys):
+    out = tmp_path / "out"
+    assert main(["run", write(tmp_path), "--out", str(out), "--quiet"]) == 0
+    printed = capsys.readouterr().out
+    cells = rows(out / "cells.csv")
+    assert [c["status"] for c in cells] == ["skipped"] * 2 + ["ok"] * 4 + ["skipped"] * 2
+    assert "fedavg runs on star, not on 'ring'" in cells[0]["reason"]
+    assert "dfedavgm is serverless" in cells[-1]["reason"]
+    ran = [c["cell"] for c in cells if c["status"] == "ok"]
+    assert ran[0] == "algorithm=fedavg_rounds-1,topology=star,seed=0,algorithm.rounds=1"
+    assert sorted(p.name for p in out.iterdir() if p.is_dir()) == sorted(ran)
+    table = rows(out / "sweep.csv")
+    assert [(r["algorithm"], r["topology"], r["runs"]) for r in table] == [
+        ("fedavg_rounds-1", "ring", "0"),
+        ("fedavg_rounds-1", "star", "2"),
+        ("dfedavgm", "ring", "2"),
+        ("dfedavgm", "star", "0"),
+    ]
+    accs = [json.loads((out / c / "summary.json").read_text())["final"]["accuracy"] for c in ran]
+    assert float(table[1]["accuracy_mean"]) == pytest.approx(statistics.fmean(accs[:2]))
+    assert float(table[1]["accuracy_std"]) == pytest.approx(statistics.stdev(accs[:2]))
+    assert table[0]["note"].startswith("skipped: topology.kind: fedavg runs on star")
+    assert "skipped: topology.kind: fedavg runs on star" in printed
+    for stem in ("sweep", "accuracy", "traffic", "partition-1", "partition-2"):
+        for fmt in ("png", "svg"):
+            assert (out / f"{stem}.{fmt}").is_file()
+
+
+def test_a_second_run_skips_finished_cells_and_reruns_changed_ones(tmp_path, monkeypatch):
+    monkeypatch.setattr(plots, "plot_runs", lambda *args: [])  # figures: the test above
+    monkeypatch.setattr(plots, "sweep_chart", lambda *args: [])
+    out = tmp_path / "out"
+    grid = {"algorithm": ["fedavg"], "algorithm.rounds": [1], "seed": [0, 1]}
+    assert main(["run", write(tmp_path, grid), "--out", str(out), "--quiet"]) == 0
+    stamps = {p: p.stat().st_mtime_ns for p in out.glob("*/summary.json")}
+    assert len(stamps) == 2
+
+    calls = []
+    real_run = sweep.run
+    monkeypatch.setattr(sweep, "run", lambda *a, **k: calls.append(a[1]) or real_run(*a, **k))
+    assert main(["run", write(tmp_path, grid), "--out", str(out), "--quiet"]) == 0
+    assert calls == []
+    assert {p: p.stat().st_mtime_ns for p in out.glob("*/summary.json")} == stamps
+    assert [c["status"] for c in rows(out / "cells.csv")] == ["done", "done"]
+
+    first = sorted(stamps)[0]
+    summary = json.loads(first.read_text())
+    first.write_text(json.dumps(summary | {"status": "failed"}))
+    assert main(["run", write(tmp_path, grid), "--out", str(out), "--quiet"]) == 0
+    assert calls == [first.parent]
+
+    changed = write(tmp_path, grid, train=BASE["train"] | {"lr": 0.1})
+    assert main(["run", changed, "--out", str(out), "--quiet"]) == 0
+    assert len(calls) == 3
+
+
+@pytest.mark.parametrize(
+    ("grid", "message"),
+    [
+        ({"algoritm": ["fedavg"]}, "sweep.algoritm: must be a section or a dotted key path"),
+        ({"seed": 3}, "sweep.seed: must be a non-empty list"),
+        ({"algorithm.rouns": [1]}, "algorithm.rouns (sweep cell algorithm.rouns=1): unknown key"),
+        ({"model.hidden": [[8], [8]]}, "two values share a directory label"),
+        ({}, "sweep: must be a non-empty mapping"),
+    ],
+)
+def test_bad_sweeps_stop_before_anything_is_written(tmp_path, capsys, grid, message):
+    out = tmp_path / "out"
+    assert main(["run", write(tmp_path, grid), "--out", str(out)]) == 2
+    assert message in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_load_keeps_set_and_seed_on_the_base(tmp_path):
+    raw, grid = sweep.load(write(tmp_path), ["train.lr=0.2"], seed=4)
+    assert raw["train"]["lr"] == 0.2 and raw["seed"] == 4 and "sweep" not in raw
+    assert grid == GRID
+    with pytest.raises(ConfigError):
+        sweep.cells(raw, {"topology": ["ring", "ring"]}, tmp_path / "sweep.yaml")
