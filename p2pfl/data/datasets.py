@@ -222,17 +222,21 @@ def _read_idx_dataset(dirs: tuple[Path, ...], what: str) -> Arrays:
 
 
 @DATASETS.register("fashion_mnist")
-def fashion_mnist(*, root: str | None = None) -> Dataset:
+def fashion_mnist(*, root: str | None = None, mean: float = 0.2860, std: float = 0.3530) -> Dataset:
     """Fashion-MNIST from IDX files: by default the Debian package ``dataset-fashion-mnist``
     (/usr/share/datasets/fashion-mnist); ``root`` may be a directory of the IDX files or a
-    torchvision root (``root/FashionMNIST/raw``)."""
+    torchvision root (``root/FashionMNIST/raw``). Pixels in [0, 1] are normalised with
+    ``mean`` and ``std`` (default: the dataset's own; FedFisher's code uses MNIST's 0.1307
+    and 0.3081, which matters for its bias-free networks)."""
+    if std <= 0:
+        raise ConfigError("std", f"must be > 0, got {std}")
     if root is None:
         dirs: tuple[Path, ...] = (DEBIAN_FASHION_MNIST,)
         what = "Fashion-MNIST (install the Debian package dataset-fashion-mnist or set root)"
     else:
         base = Path(root).expanduser()
         dirs, what = (base, base / "FashionMNIST" / "raw"), "Fashion-MNIST"
-    return _to_dataset("fashion_mnist", _read_idx_dataset(dirs, what), 255.0, [0.2860], [0.3530])
+    return _to_dataset("fashion_mnist", _read_idx_dataset(dirs, what), 255.0, [mean], [std])
 
 
 @DATASETS.register("mnist")

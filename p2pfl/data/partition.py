@@ -95,6 +95,50 @@ def dirichlet(
     )
 
 
+@PARTITIONERS.register("peer_dirichlet")
+def peer_dirichlet(
+    labels: np.ndarray,
+    num_peers: int,
+    rng: np.random.Generator,
+    *,
+    alpha: float = 0.1,
+    min_size: int = 10,
+    max_tries: int = 100,
+) -> list[np.ndarray]:
+    """Label skew as in the FedFisher (and FedMA) code: each peer draws its class mix
+    q_i ~ Dir(alpha·1_C), and each class's shuffled indices are cut among the peers in
+    proportion to q_ik / Σ_j q_jk, so peer sizes come out unequal. Redraw everything until
+    each peer has >= ``min_size`` samples, at most ``max_tries`` times."""
+    _check_peers(labels, num_peers)
+    if alpha <= 0:
+        raise ConfigError("alpha", f"must be > 0, got {alpha}")
+    if min_size < 0 or num_peers * min_size > len(labels):
+        raise ConfigError("min_size", f"must be in [0, {len(labels) // num_peers}]")
+    if max_tries < 1:
+        raise ConfigError("max_tries", f"must be >= 1, got {max_tries}")
+    classes = np.unique(labels)
+    smallest = 0
+    for _ in range(max_tries):
+        q = rng.dirichlet(np.full(len(classes), alpha), size=num_peers)
+        parts: list[list[np.ndarray]] = [[] for _ in range(num_peers)]
+        for col, k in enumerate(classes):
+            idx = rng.permutation(np.flatnonzero(labels == k))
+            total = q[:, col].sum()  # 0 only if every draw underflows: split evenly
+            share = q[:, col] / total if total > 0 else np.full(num_peers, 1 / num_peers)
+            cuts = (np.cumsum(share) * len(idx)).astype(int)[:-1]
+            for j, chunk in enumerate(np.split(idx, cuts)):
+                parts[j].append(chunk)
+        sizes = [sum(len(c) for c in part) for part in parts]
+        smallest = min(sizes)
+        if smallest >= min_size:
+            return [rng.permutation(np.concatenate(part)) for part in parts]
+    raise ConfigError(
+        "min_size",
+        f"could not give every peer >= {min_size} samples after {max_tries} tries "
+        f"(smallest peer got {smallest}); lower min_size or raise alpha",
+    )
+
+
 @PARTITIONERS.register("shards")
 def shards(
     labels: np.ndarray,

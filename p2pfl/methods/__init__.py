@@ -5,4 +5,15 @@ from p2pfl.options import Registry
 METHODS: Registry = Registry("method")
 
 # Importing a method module registers it.
-from p2pfl.methods import dfedavgm, fedavg, fedprox, fedseq  # noqa: E402, F401
+from p2pfl.methods import (  # noqa: E402, F401
+    dfedavgm,
+    dfedsam,
+    fedavg,
+    fedelmy,
+    fedfisher,
+    fedprox,
+    fedseq,
+    fisher_merge,
+    maecho,
+    regmean,
+)

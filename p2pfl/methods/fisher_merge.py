@@ -1,0 +1,46 @@
+"""Fisher merging (Matena & Raffel, 2022) as a one-shot FL baseline (FedFisher spec §3).
+
+Each peer uploads its model and its diagonal true Fisher F_i; the merge is elementwise
+
+    θ = Σ_i p_i F_i ⊙ w_i / Σ_i p_i F_i,
+
+with coordinates where Σ_i p_i F_i < ``floor`` (1e-6) falling back to one-shot FedAvg.
+There is one candidate, so no validation. ``compress: true`` sends both the model and the
+Fisher as 16-bit codes (as FedFisher(Diag)). Keys as in :class:`OneShot`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from p2pfl.effects import State
+from p2pfl.methods import METHODS
+from p2pfl.methods.oneshot import OneShot, Upload, fedavg, shares
+
+FLOOR = 1e-6
+
+
+def fisher_merge(uploads: list[Upload], floor: float = FLOOR) -> State:
+    """The Fisher-weighted average of the uploads' models (see the module docstring)."""
+    out = fedavg(uploads)
+    p = shares(uploads)
+    for name in uploads[0].stats["diag"]:
+        f = [u.stats["diag"][name].double() for u in uploads]
+        total = sum(pi * fi for pi, fi in zip(p, f, strict=True))
+        weighted = sum(
+            pi * fi * u.state[name].double() for pi, fi, u in zip(p, f, uploads, strict=True)
+        )
+        merged = torch.where(total >= floor, weighted / total.clamp_min(floor), out[name].double())
+        out[name] = merged.to(out[name].dtype)
+    return out
+
+
+@METHODS.register("fisher_merge")
+class FisherMerge(OneShot):
+    """Diagonal-Fisher weighted average of the local models, in one shot."""
+
+    name = "fisher_merge"
+    needs = ("diag",)
+
+    def candidates(self, uploads: list[Upload]) -> list[State]:
+        return [fisher_merge(uploads)]
