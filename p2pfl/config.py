@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import re
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -203,12 +204,10 @@ def resolve(raw: dict[str, Any], file: Path) -> dict[str, Any]:
     return out
 
 
-def load_experiment(
-    path: str | Path,
-    sets: list[str] = (),
-    seed: int | None = None,  # type: ignore[assignment]
+def read_experiment(
+    path: str | Path, sets: Sequence[str] = (), seed: int | None = None
 ) -> dict[str, Any]:
-    """Read, override and resolve an experiment file; errors carry the file name."""
+    """An experiment file's raw mapping with ``--set`` and ``--seed`` applied."""
     file = Path(path)
     try:
         raw = read_yaml(file, "experiment file")
@@ -216,6 +215,19 @@ def load_experiment(
             apply_set(raw, assignment)
         if seed is not None:
             raw["seed"] = seed
+        return raw
+    except ConfigError as e:
+        e.file = e.file or str(file)
+        raise
+
+
+def load_experiment(
+    path: str | Path, sets: Sequence[str] = (), seed: int | None = None
+) -> dict[str, Any]:
+    """Read, override and resolve an experiment file; errors carry the file name."""
+    file = Path(path)
+    raw = read_experiment(file, sets, seed)
+    try:
         if "sweep" in raw:
             from p2pfl.sweep import base_config  # it imports this module
 

@@ -33,7 +33,7 @@ from typing import Any
 
 import yaml
 
-from p2pfl.config import SECTIONS, apply_set, read_yaml, resolve
+from p2pfl.config import SECTIONS, apply_set, read_experiment, resolve
 from p2pfl.errors import ConfigError, RunError
 from p2pfl.experiment import build, run
 
@@ -86,16 +86,11 @@ def load(
 ) -> tuple[dict[str, Any], dict[str, list[Any]]]:
     """The experiment's raw mapping (``--set``/``--seed`` applied) and its ``sweep:``
     section (empty when there is none)."""
-    file = Path(path)
+    raw = read_experiment(path, sets, seed)
     try:
-        raw = read_yaml(file, "experiment file")
-        for assignment in sets:
-            apply_set(raw, assignment)
-        if seed is not None:
-            raw["seed"] = seed
         return split(raw)
     except ConfigError as e:
-        e.file = e.file or str(file)
+        e.file = e.file or str(path)
         raise
 
 

@@ -58,6 +58,30 @@ def dirichlet(
     If every eligible peer draws exactly 0 (possible for tiny alpha), the class is spread
     uniformly over the eligible peers instead of dividing by zero.
     """
+    _check_skew(labels, num_peers, alpha, min_size, max_tries)
+    n = len(labels)
+
+    def draw() -> list[list[np.ndarray]]:
+        parts: list[list[np.ndarray]] = [[] for _ in range(num_peers)]
+        sizes = np.zeros(num_peers, dtype=np.int64)
+        for k in np.unique(labels):
+            idx = rng.permutation(np.flatnonzero(labels == k))
+            p = rng.dirichlet(np.full(num_peers, alpha)) * (sizes < n / num_peers)
+            if p.sum() == 0:
+                p = (sizes < n / num_peers).astype(float)
+            cuts = (np.cumsum(p / p.sum()) * len(idx)).astype(int)[:-1]
+            for j, chunk in enumerate(np.split(idx, cuts)):
+                parts[j].append(chunk)
+                sizes[j] += len(chunk)
+        return parts
+
+    return _redraw(draw, rng, min_size, max_tries)
+
+
+def _check_skew(
+    labels: np.ndarray, num_peers: int, alpha: float, min_size: int, max_tries: int
+) -> None:
+    """Validate the keys the Dirichlet splitters share."""
     _check_peers(labels, num_peers)
     n = len(labels)
     if alpha <= 0:
@@ -72,20 +96,20 @@ def dirichlet(
         )
     if max_tries < 1:
         raise ConfigError("max_tries", f"must be >= 1, got {max_tries}")
+
+
+def _redraw(
+    draw: Callable[[], list[list[np.ndarray]]],
+    rng: np.random.Generator,
+    min_size: int,
+    max_tries: int,
+) -> list[np.ndarray]:
+    """Call ``draw`` until every peer gets >= ``min_size`` samples (at most ``max_tries``
+    times); each peer's chunks are joined and shuffled. A clear error instead of a loop."""
     smallest = 0
     for _ in range(max_tries):
-        parts: list[list[np.ndarray]] = [[] for _ in range(num_peers)]
-        sizes = np.zeros(num_peers, dtype=np.int64)
-        for k in np.unique(labels):
-            idx = rng.permutation(np.flatnonzero(labels == k))
-            p = rng.dirichlet(np.full(num_peers, alpha)) * (sizes < n / num_peers)
-            if p.sum() == 0:
-                p = (sizes < n / num_peers).astype(float)
-            cuts = (np.cumsum(p / p.sum()) * len(idx)).astype(int)[:-1]
-            for j, chunk in enumerate(np.split(idx, cuts)):
-                parts[j].append(chunk)
-                sizes[j] += len(chunk)
-        smallest = int(sizes.min())
+        parts = draw()
+        smallest = min(sum(len(c) for c in part) for part in parts)
         if smallest >= min_size:
             return [rng.permutation(np.concatenate(part)) for part in parts]
     raise ConfigError(
@@ -109,16 +133,10 @@ def peer_dirichlet(
     q_i ~ Dir(alpha·1_C), and each class's shuffled indices are cut among the peers in
     proportion to q_ik / Σ_j q_jk, so peer sizes come out unequal. Redraw everything until
     each peer has >= ``min_size`` samples, at most ``max_tries`` times."""
-    _check_peers(labels, num_peers)
-    if alpha <= 0:
-        raise ConfigError("alpha", f"must be > 0, got {alpha}")
-    if min_size < 0 or num_peers * min_size > len(labels):
-        raise ConfigError("min_size", f"must be in [0, {len(labels) // num_peers}]")
-    if max_tries < 1:
-        raise ConfigError("max_tries", f"must be >= 1, got {max_tries}")
+    _check_skew(labels, num_peers, alpha, min_size, max_tries)
     classes = np.unique(labels)
-    smallest = 0
-    for _ in range(max_tries):
+
+    def draw() -> list[list[np.ndarray]]:
         q = rng.dirichlet(np.full(len(classes), alpha), size=num_peers)
         parts: list[list[np.ndarray]] = [[] for _ in range(num_peers)]
         for col, k in enumerate(classes):
@@ -128,15 +146,9 @@ def peer_dirichlet(
             cuts = (np.cumsum(share) * len(idx)).astype(int)[:-1]
             for j, chunk in enumerate(np.split(idx, cuts)):
                 parts[j].append(chunk)
-        sizes = [sum(len(c) for c in part) for part in parts]
-        smallest = min(sizes)
-        if smallest >= min_size:
-            return [rng.permutation(np.concatenate(part)) for part in parts]
-    raise ConfigError(
-        "min_size",
-        f"could not give every peer >= {min_size} samples after {max_tries} tries "
-        f"(smallest peer got {smallest}); lower min_size or raise alpha",
-    )
+        return parts
+
+    return _redraw(draw, rng, min_size, max_tries)
 
 
 @PARTITIONERS.register("shards")
