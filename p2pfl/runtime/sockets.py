@@ -29,7 +29,7 @@ from p2pfl.ledger import Ledger
 from p2pfl.runtime.mailbox import describe, take
 from p2pfl.runtime.worker import Worker
 from p2pfl.topology import Topology
-from p2pfl.wire import Message, WireError, decode, encode_parts, join
+from p2pfl.wire import Message, WireError, decode, encode_parts
 
 log = logging.getLogger("p2pfl.transport")
 
@@ -172,7 +172,7 @@ class ZmqNode:
         try:
             if size > self.transport.max_message_bytes:
                 raise WireError(f"{size} bytes exceed transport.max_message_bytes")
-            msg = decode(join(parts), self.transport.max_message_bytes)
+            msg = decode(parts, self.transport.max_message_bytes)  # tensors view the frames
             if msg.dst != self.node or msg.src not in self.outboxes:
                 raise WireError(f"unexpected route {msg.src} -> {msg.dst}")
         except WireError as e:
