@@ -31,6 +31,7 @@ from matplotlib import colormaps
 from matplotlib.cm import ScalarMappable
 from matplotlib.colors import Normalize
 from matplotlib.figure import Figure
+from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator, NullFormatter
 
 from p2pfl.errors import ConfigError
 from p2pfl.heatmap import save_heatmap
@@ -141,7 +142,11 @@ def accuracy_figure(lines: list[tuple[str, list[Run]]]) -> Figure:
         for ax, x in zip(axes, (c[:, 0], c[:, 2] / 1e6, c[:, 3]), strict=True):
             ax.plot(x, c[:, 1], markersize=3, label=text, **style)
     axes[0].set(xlabel="round", ylabel="test accuracy")
+    axes[0].xaxis.set_major_locator(MaxNLocator(integer=True))
     axes[1].set(xlabel="bytes delivered (MB, log scale; 0 not shown)", xscale="log")
+    axes[1].xaxis.set_major_locator(LogLocator(subs=(1, 2, 5)))  # labelled 1-2-5 steps
+    axes[1].xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    axes[1].xaxis.set_minor_formatter(NullFormatter())
     axes[2].set(xlabel="simulated time (s)")
     for ax in axes:
         ax.grid(alpha=0.3)
@@ -209,8 +214,8 @@ def traffic_figure(lines: list[tuple[str, list[Run]]]) -> Figure:
         ax.set_axis_off()
     for ax in axes[len(drawn) :]:
         ax.set_axis_off()
-    label = "MB per link, both directions (mean over runs); dotted: unused"
-    fig.colorbar(ScalarMappable(norm, cmap), ax=axes.tolist(), shrink=0.7, label=label)
+    fig.colorbar(ScalarMappable(norm, cmap), ax=axes.tolist(), shrink=0.7, label="MB per link")
+    fig.suptitle("Traffic per link, both directions, mean over runs (dotted: unused)", fontsize=9)
     return fig
 
 
