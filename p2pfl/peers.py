@@ -35,6 +35,7 @@ class Population:
     flops_per_s: float
     compute: Literal["model", "measured"]
     link: Link
+    batched: bool = False
 
 
 def population(
@@ -48,6 +49,7 @@ def population(
     speed_sigma: float = 0.0,
     slow_fraction: float = 0.0,
     slow_factor: float = 0.1,
+    batched: bool = False,
 ) -> dict[str, Any]:
     """The keys of the ``peers:`` section (and of a profile file); returns them checked.
 
@@ -59,6 +61,8 @@ def population(
     - ``link``: default ``{latency_s, bandwidth_bps}`` for links the topology leaves unset.
     - ``speed_sigma``: each peer's speed is multiplied by a seeded lognormal(0, sigma) draw.
     - ``slow_fraction`` / ``slow_factor``: that fraction of peers (seeded) is slower by the factor.
+    - ``batched``: in simulation, trainings that overlap in simulated time run as one batched
+      computation (MLPs with SGD, ``compute: model``); equal to one by one up to float rounding.
     """
     if count < 1:
         raise ConfigError("count", "must be >= 1")
@@ -92,4 +96,4 @@ def build_peers(options: dict[str, Any], seed: int) -> Population:
     except ConfigError as e:
         raise e.within("link") from None
     profiles = [PeerProfile(device=kw["device"], speed=float(s)) for s in speeds]
-    return Population(profiles, kw["flops_per_s"], kw["compute"], link)
+    return Population(profiles, kw["flops_per_s"], kw["compute"], link, kw["batched"])

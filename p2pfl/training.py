@@ -92,12 +92,16 @@ class Trainer:
         self._modules: dict[torch.device, nn.Module] = {torch.device("cpu"): self._build()}
         self.forward_flops = forward_flops(self._modules[torch.device("cpu")], input_shape)
         self.busy_s = 0.0  # wall time spent inside train/evaluate (the overhead floor)
+        self._init: dict[int, State] = {}
 
     def init_state(self, seed: int) -> State:
-        """The seeded initial model every peer shares."""
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            return clone_state(self._build().state_dict())
+        """The seeded initial model every peer shares (built once per seed, then copied:
+        every node asks for it, and building a model costs more than copying one)."""
+        if seed not in self._init:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(seed)
+                self._init[seed] = clone_state(self._build().state_dict())
+        return clone_state(self._init[seed])
 
     def module(self, device: torch.device) -> nn.Module:
         if device not in self._modules:
@@ -134,7 +138,7 @@ class Trainer:
             )
         x_all, y_all = data.train_x.to(device), data.train_y.to(device)
         n = len(y_all)
-        best_acc, best_state, eval_samples, skipped = -1.0, None, 0, 0
+        best_acc, best_state, skipped = -1.0, None, 0
         for _ in range(cfg.epochs):
             model.train()
             order = torch.randperm(n, generator=generator).to(device)
@@ -152,17 +156,13 @@ class Trainer:
                 opt.step()
             if cfg.select == "best_val" and len(data.val_y):
                 acc, _ = self._score(model, data.val_x, data.val_y, device)
-                eval_samples += len(data.val_y)
                 if acc > best_acc:
                     best_acc, best_state = acc, clone_state(model.state_dict())
         if best_state is None:
             best_state = clone_state(model.state_dict())
         wall = time.perf_counter() - start
         self.busy_s += wall
-        passes = 2 if cfg.optimizer == "sam" else 1
-        return TrainResult(
-            best_state, best_acc, passes * n * cfg.epochs, eval_samples, wall, skipped
-        )
+        return TrainResult(best_state, best_acc, *work(cfg, data), wall, skipped)
 
     def evaluate(
         self, state: State, x: torch.Tensor, y: torch.Tensor, device: torch.device
@@ -189,9 +189,20 @@ class Trainer:
             correct += (out.argmax(1) == yb).sum().item()
         return correct / max(len(y), 1), loss / max(len(y), 1)
 
-    def compute_flops(self, result: TrainResult) -> float:
+    def compute_flops(self, train_samples: int, eval_samples: int) -> float:
         """FLOPs the compute model charges: 3x forward per trained sample, 1x per scored one."""
-        return self.forward_flops * (3.0 * result.train_samples + result.eval_samples)
+        return self.forward_flops * (3.0 * train_samples + eval_samples)
+
+
+def work(cfg: TrainConfig, data: PeerData) -> tuple[int, int]:
+    """(samples trained, samples scored) by one training with ``cfg`` on ``data``.
+
+    Known before the training runs, so a runtime can charge its simulated time up front.
+    SAM makes two passes per sample; ``best_val`` scores the validation split every epoch.
+    """
+    passes = 2 if cfg.optimizer == "sam" else 1
+    scored = len(data.val_y) * cfg.epochs if cfg.select == "best_val" else 0
+    return passes * data.num_train * cfg.epochs, scored
 
 
 def _loss(

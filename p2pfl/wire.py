@@ -133,7 +133,10 @@ def _slices(buf: memoryview, specs: list) -> Iterator[memoryview]:
 
 def _bytes_tensor(buf: memoryview) -> torch.Tensor:
     """A uint8 tensor over ``buf`` without a copy. A read-only buffer here is a received
-    socket frame that this message alone owns, so writing to it is safe."""
+    socket frame that this message alone owns, so writing to it is safe. (Only such a
+    buffer needs the warning silenced: ``catch_warnings`` costs more than the view.)"""
+    if not buf.readonly:
+        return torch.frombuffer(buf, dtype=torch.uint8)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="The given buffer is not writable")
         return torch.frombuffer(buf, dtype=torch.uint8)
@@ -234,3 +237,26 @@ def decode(frame: Buffer | list[Buffer], max_bytes: int = MAX_FRAME_BYTES) -> Me
         else:
             tensors[name] = flat.view(dtype).reshape(shape)
     return Message(KINDS[kind], src, dst, rnd, tensors, meta)
+
+
+def deliver(msg: Message, compression: Compression | None = None) -> tuple[Message, int]:
+    """What the receiver of ``msg`` decodes, and the size of its frame, for a delivery
+    within one process (the simulation).
+
+    When every tensor travels raw, the receiver would decode exact, contiguous CPU copies
+    of them and the meta as the frame's JSON gives it back: those are made directly,
+    without building the frame, whose size comes from its layout, to the byte. A message
+    that a codec packs goes through :func:`encode` and :func:`decode`, so the receiver
+    sees the codec's loss.
+    """
+    head, packing = _layout(msg, compression)
+    if any(packing):
+        frame = encode(msg, compression)
+        return decode(frame), len(frame)
+    tensors = {
+        name: t.detach().to("cpu", memory_format=torch.contiguous_format, copy=True)
+        for name, t in msg.tensors.items()
+    }
+    size = _PREFIX.size + len(head) + sum(t.numel() * t.element_size() for t in tensors.values())
+    meta = json.loads(head)["meta"] if msg.meta else {}
+    return Message(msg.kind, msg.src, msg.dst, msg.round, tensors, meta), size

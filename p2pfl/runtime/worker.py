@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from p2pfl import batched
 from p2pfl.data.federated import FederatedData
 from p2pfl.effects import Artifact, Compute, Effect, Evaluate, Log, Report, Train
 from p2pfl.ensemble import score_ensemble
@@ -22,7 +23,7 @@ from p2pfl.metrics import MetricsLog
 from p2pfl.peers import Population
 from p2pfl.seeding import torch_generator
 from p2pfl.topology import Topology
-from p2pfl.training import TrainConfig, Trainer, TrainResult, resolve_device
+from p2pfl.training import TrainConfig, Trainer, TrainResult, resolve_device, work
 
 
 class Worker:
@@ -58,6 +59,7 @@ class Worker:
             p: resolve_device(prof.device) for p, prof in enumerate(population.profiles)
         }
         self._server_device = resolve_device(population.profiles[0].device)
+        self._pool: batched.DataPool | None = None
 
     def perform(self, node: int, eff: Effect, now: float) -> tuple[Any, float]:
         """Carry out a local effect; return its result and its simulated duration."""
@@ -83,14 +85,62 @@ class Worker:
 
     def train(self, node: int, eff: Train) -> tuple[TrainResult, float]:
         """Run the training and return it with its simulated duration in seconds."""
-        if node >= len(self.data.peers):
-            raise RuntimeError(f"node {self.topology.name(node)} holds no data and cannot train")
-        cfg = self.train_cfg.with_overrides(eff.overrides)
-        gen = torch_generator(self.seed, "train", node, eff.round, eff.tag)
+        cfg, gen = self._train_setup(node, eff)
         result = self.trainer.train(
             eff.state, self.data.peers[node], cfg, gen, self.device(node), eff.regularizer
         )
-        return result, self._seconds(node, self.trainer.compute_flops(result), result.wall_s)
+        flops = self.trainer.compute_flops(result.train_samples, result.eval_samples)
+        return result, self._seconds(node, flops, result.wall_s)
+
+    def _train_setup(self, node: int, eff: Train) -> tuple[TrainConfig, torch.Generator]:
+        """The training's config and its batch-order stream (peer, round, tag)."""
+        if node >= len(self.data.peers):
+            raise RuntimeError(f"node {self.topology.name(node)} holds no data and cannot train")
+        cfg = self.train_cfg.with_overrides(eff.overrides)
+        return cfg, torch_generator(self.seed, "train", node, eff.round, eff.tag)
+
+    def batchable_seconds(self, node: int, eff: Train) -> float | None:
+        """The simulated duration of a training that may be deferred and run batched with
+        others (``peers.batched``, ``compute: model``, a supported model and optimizer);
+        ``None`` if it must run on its own, now."""
+        population = self.population
+        if not population.batched or population.compute != "model" or node >= len(self.data.peers):
+            return None
+        cfg = self.train_cfg.with_overrides(eff.overrides)
+        if not batched.supports(self.trainer.module(self.device(node)), cfg, eff.regularizer):
+            return None
+        flops = self.trainer.compute_flops(*work(cfg, self.data.peers[node]))
+        return self._seconds(node, flops, 0.0)
+
+    def pool(self) -> batched.DataPool:
+        """All peers' training data in one tensor (made on first use: simulation only)."""
+        if self._pool is None:
+            self._pool = batched.DataPool(self.data.peers)
+        return self._pool
+
+    def train_many(self, jobs: list[tuple[int, Train]]) -> list[TrainResult]:
+        """Run deferred trainings (see :meth:`batchable_seconds`): those sharing a config
+        and a device as one batched computation, a lone one as usual."""
+        groups: dict[tuple[TrainConfig, torch.device], list[int]] = {}
+        for i, (node, eff) in enumerate(jobs):
+            key = (self.train_cfg.with_overrides(eff.overrides), self.device(node))
+            groups.setdefault(key, []).append(i)
+        results: list[TrainResult | None] = [None] * len(jobs)
+        for (cfg, device), members in groups.items():
+            if len(members) == 1:
+                results[members[0]] = self.train(*jobs[members[0]])[0]
+                continue
+            batch = []
+            for i in members:
+                node, eff = jobs[i]
+                batch.append(batched.Job(eff.state, node, self._train_setup(node, eff)[1]))
+            trained = batched.train_batched(
+                self.trainer.module(device), self.pool(), batch, cfg, device
+            )
+            self.trainer.busy_s += sum(r.wall_s for r in trained)
+            for i, result in zip(members, trained, strict=True):
+                results[i] = result
+        return [r for r in results if r is not None]
 
     def compute(self, node: int, eff: Compute) -> tuple[Any, float]:
         """Run a local statistic on the node's data; return it with its simulated duration."""

@@ -1,0 +1,141 @@
+"""Batched peer training against the one-by-one loop, side by side in one process.
+
+100 peers, Fashion-MNIST split Dirichlet(0.5), MLPs 784-200-10 and 784-32-10, one local
+epoch of SGD (batch 32, lr 0.05, with and without momentum 0.9). "loop" trains the peers
+one after the other with ``Trainer.train``; "batched" trains them in one ``train_batched``
+call. Both start from the same state and draw the same batch orders; the table gives each
+one's wall time, trainings per second and the ratio, and how far the results are apart.
+The last row times a whole simulated run (DFedAvgM on a ring, every peer training each
+round) with ``peers.batched`` off and on. Repeats alternate the two, so load hits both alike.
+
+    OMP_NUM_THREADS=1 python benchmarks/batched.py [--peers 100] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import report  # noqa: E402
+
+from p2pfl import batched  # noqa: E402
+from p2pfl.config import resolve  # noqa: E402
+from p2pfl.experiment import Setup, build, run  # noqa: E402
+from p2pfl.models import average_states  # noqa: E402
+from p2pfl.seeding import torch_generator  # noqa: E402
+from p2pfl.training import TrainConfig  # noqa: E402
+
+CPU = torch.device("cpu")
+CONFIG = {
+    "name": "batched",
+    "seed": 0,
+    "dataset": {"name": "fashion_mnist", "test_subset": 2000},
+    "partition": {"name": "dirichlet", "alpha": 0.5},
+    "model": {"name": "mlp", "hidden": [200]},
+    "topology": {"kind": "ring"},
+    "peers": {"count": 100},
+    "algorithm": {"name": "dfedavgm", "rounds": 2},
+    "train": {"epochs": 1, "batch_size": 32, "lr": 0.05, "momentum": 0.9},
+    "eval": {"every": 2, "per_peer": False},
+}
+
+
+def loop(setup: Setup, cfg: TrainConfig) -> tuple[float, list]:
+    init, peers = setup.trainer.init_state(0), setup.data.peers
+    start = time.perf_counter()
+    states = [
+        setup.trainer.train(init, peers[p], cfg, torch_generator(0, "bench", p), CPU).state
+        for p in range(len(peers))
+    ]
+    return time.perf_counter() - start, states
+
+
+def together(setup: Setup, pool: batched.DataPool, cfg: TrainConfig) -> tuple[float, list]:
+    init, module = setup.trainer.init_state(0), setup.trainer.module(CPU)
+    jobs = [batched.Job(init, p, torch_generator(0, "bench", p)) for p in range(len(pool.peers))]
+    start = time.perf_counter()
+    results = batched.train_batched(module, pool, jobs, cfg, CPU)
+    return time.perf_counter() - start, [r.state for r in results]
+
+
+def side_by_side(
+    setup: Setup, pool: batched.DataPool, cfg: TrainConfig, repeats: int
+) -> list[float]:
+    """Loop and batched times (medians of alternating repeats, after a warm-up of each),
+    their ratio, trainings per second, and how far the results are apart."""
+    loop(setup, cfg), together(setup, pool, cfg)
+    times: dict[str, list[float]] = {"loop": [], "batched": []}
+    for _ in range(repeats):
+        t_loop, one = loop(setup, cfg)
+        t_batched, other = together(setup, pool, cfg)
+        times["loop"].append(t_loop)
+        times["batched"].append(t_batched)
+    diff = max((a[k] - b[k]).abs().max().item() for a, b in zip(one, other, strict=True) for k in a)
+    x, y = setup.data.test_x, setup.data.test_y
+    acc_loop = setup.trainer.evaluate(average_states(one), x, y, CPU)[0]
+    acc_batched = setup.trainer.evaluate(average_states(other), x, y, CPU)[0]
+    t_loop, t_batched = (statistics.median(times[k]) for k in ("loop", "batched"))
+    n = len(pool.peers)
+    return [t_loop, t_batched, t_loop / t_batched, n / t_loop, n / t_batched, diff,
+            acc_loop - acc_batched]  # fmt: skip
+
+
+def whole_run(config: dict, flag: bool) -> tuple[float, float]:
+    cfg = copy.deepcopy(config)
+    cfg["peers"]["batched"] = flag
+    setup = build(resolve(cfg, Path("batched.yaml")))
+    with tempfile.TemporaryDirectory() as out:
+        summary = run(setup, Path(out))
+    return summary["wall_time_s"], summary["final"]["accuracy"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--peers", type=int, default=100)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    config = copy.deepcopy(CONFIG)
+    config["peers"]["count"] = args.peers
+    rows, extra = [], {"config": copy.deepcopy(config), "load_before": os.getloadavg()}
+    for hidden in ([200], [32]):
+        config["model"]["hidden"] = hidden
+        setup = build(resolve(config, Path("batched.yaml")))
+        pool = batched.DataPool(setup.data.peers)
+        for momentum in (0.0, 0.9):
+            cfg = TrainConfig(batch_size=32, lr=0.05, momentum=momentum)
+            rows.append([f"mlp {hidden}, momentum {momentum}", args.peers,
+                         *side_by_side(setup, pool, cfg, args.repeats)])  # fmt: skip
+    config["model"]["hidden"] = [200]
+    walls: dict[bool, list[float]] = {False: [], True: []}
+    accs = {}
+    for _ in range(args.repeats):
+        for flag in (False, True):
+            wall, accs[flag] = whole_run(config, flag)
+            walls[flag].append(wall)
+    t_off, t_on = statistics.median(walls[False]), statistics.median(walls[True])
+    rounds = config["algorithm"]["rounds"]
+    rows.append(
+        [f"dfedavgm run, {rounds} rounds", args.peers, t_off, t_on, t_off / t_on,
+         args.peers * rounds / t_off, args.peers * rounds / t_on, float("nan"),
+         accs[False] - accs[True]]
+    )  # fmt: skip
+    extra["load_after"] = os.getloadavg()
+    columns = ["what", "peers", "loop_s", "batched_s", "speedup", "loop_trainings_per_s",
+               "batched_trainings_per_s", "max_abs_weight_diff", "accuracy_diff"]  # fmt: skip
+    report("batched", columns, rows, extra | {"goal_speedup": 3.0})
+    print(f"load average before {extra['load_before']}, after {extra['load_after']}")
+
+
+if __name__ == "__main__":
+    main()

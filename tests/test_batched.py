@@ -1,0 +1,122 @@
+"""Batched peer training equals the one-by-one loop, in isolation and inside whole runs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import experiment, run_experiment
+from p2pfl import batched
+from p2pfl.experiment import build
+from p2pfl.runtime.worker import Worker
+from p2pfl.seeding import torch_generator
+from p2pfl.training import TrainConfig
+
+CPU = torch.device("cpu")
+
+
+def skewed_setup(hidden: list[int], bias: bool = True):
+    """Eight digits peers with unequal data sizes (Dirichlet 0.5)."""
+    return build(
+        experiment(
+            peers={"count": 8},
+            model={"name": "mlp", "hidden": hidden, "bias": bias},
+            partition={"name": "dirichlet", "alpha": 0.5, "min_size": 5},
+        )
+    )
+
+
+@pytest.mark.parametrize(
+    ("hidden", "bias", "cfg"),
+    [
+        ([32], True, TrainConfig(batch_size=16)),
+        ([32, 16], True, TrainConfig(epochs=2, batch_size=16, momentum=0.9, weight_decay=1e-3)),
+        ([24], False, TrainConfig(epochs=3, batch_size=50, lr=0.1, weight_decay=1e-2)),
+        ([], True, TrainConfig(batch_size=7, momentum=0.5)),
+    ],
+)
+def test_batched_training_equals_the_one_by_one_loop(hidden, bias, cfg):
+    setup = skewed_setup(hidden, bias)
+    peers = setup.data.peers
+    assert len({p.num_train for p in peers}) > 1  # peers run different numbers of steps
+    init = setup.trainer.init_state(0)
+    loop = [
+        setup.trainer.train(init, peers[p], cfg, torch_generator(0, "t", p), CPU)
+        for p in range(len(peers))
+    ]
+    pool = batched.DataPool(peers)
+    jobs = [batched.Job(init, p, torch_generator(0, "t", p)) for p in range(len(peers))]
+    together = batched.train_batched(setup.trainer.module(CPU), pool, jobs, cfg, CPU)
+    for one, other in zip(loop, together, strict=True):
+        assert (one.train_samples, one.eval_samples) == (other.train_samples, other.eval_samples)
+        for key, value in one.state.items():
+            torch.testing.assert_close(other.state[key], value, rtol=1e-5, atol=1e-6)
+
+
+def test_pool_holds_the_data_once_and_leaves_it_unchanged():
+    setup = skewed_setup([8])
+    before = [(p.train_x.clone(), p.train_y.clone()) for p in setup.data.peers]
+    pool = batched.DataPool(setup.data.peers)
+    x, y = pool.on(CPU)
+    for p, (bx, by), start in zip(setup.data.peers, before, pool.offsets, strict=True):
+        assert torch.equal(p.train_x, bx) and torch.equal(p.train_y, by)
+        assert p.train_x.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
+        assert torch.equal(y[start : start + len(by)], by)
+
+
+def test_only_plain_mlps_with_sgd_run_batched():
+    mlp = skewed_setup([8]).trainer.module(CPU)
+    assert batched.supports(mlp, TrainConfig(momentum=0.9), None)
+    assert not batched.supports(mlp, TrainConfig(optimizer="adam"), None)
+    assert not batched.supports(mlp, TrainConfig(select="best_val"), None)
+    assert not batched.supports(mlp, TrainConfig(), lambda model, ce: ce * 0)
+    lenet = build(experiment(model={"name": "lenet"})).trainer.module(CPU)
+    assert batched.mlp_layers(lenet) is None
+    pans = {"name": "mlp", "hidden": [8], "pans": {"mode": "mul", "A": 0.5}}
+    pan_mlp = build(experiment(model=pans)).trainer.module(CPU)
+    assert batched.mlp_layers(pan_mlp) is None  # the encoding hook changes the function
+
+
+@pytest.mark.parametrize(
+    ("algorithm", "topology", "peers"),
+    [
+        ("dfedavgm", {"kind": "ring"}, {}),
+        ("fedavg", {"kind": "star"}, {"link": {"bandwidth_bps": 1e10}}),
+    ],
+)
+def test_batched_runs_match_unbatched_runs(tmp_path, monkeypatch, algorithm, topology, peers):
+    """Same clock, same ledger, same accuracy (to float rounding), and peers really batched."""
+    groups: list[int] = []
+    train_many = Worker.train_many
+
+    def spy(self, jobs):
+        groups.append(len(jobs))
+        return train_many(self, jobs)
+
+    monkeypatch.setattr(Worker, "train_many", spy)
+    sections = {
+        "topology": topology,
+        "algorithm": {"name": algorithm, "rounds": 3},
+        "partition": {"name": "dirichlet", "alpha": 0.5, "min_size": 5},
+        "train": {"epochs": 2, "batch_size": 16, "lr": 0.05, "momentum": 0.9},
+    }
+    runs = {}
+    for flag in (False, True):
+        out = tmp_path / str(flag)
+        runs[flag] = run_experiment(out, peers={"count": 10, "batched": flag} | peers, **sections)
+        runs[flag]["comm.csv"] = (out / "comm.csv").read_text()
+    assert max(groups) >= 5
+    one, other = runs[False], runs[True]
+    assert other["comm.csv"] == one["comm.csv"]
+    assert other["sim_time_s"] == one["sim_time_s"]
+    assert other["final"]["accuracy"] == pytest.approx(one["final"]["accuracy"], abs=0.01)
+    assert other["final"]["loss"] == pytest.approx(one["final"]["loss"], rel=1e-3)
+
+
+def test_batched_runs_replay_bit_for_bit(tmp_path):
+    sections = {"topology": {"kind": "ring"}, "algorithm": {"name": "dfedavgm", "rounds": 2}}
+    first, second = (
+        run_experiment(tmp_path / name, peers={"count": 6, "batched": True}, **sections)
+        for name in ("a", "b")
+    )
+    assert first["final"] == second["final"] and first["per_peer"] == second["per_peer"]
