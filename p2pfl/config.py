@@ -22,8 +22,9 @@ from p2pfl.data.datasets import DATASETS, take_subsets
 from p2pfl.data.federated import validation_size
 from p2pfl.data.partition import PARTITIONERS
 from p2pfl.errors import ConfigError
+from p2pfl.matching import MatchingConfig
 from p2pfl.methods import METHODS
-from p2pfl.models import MODELS
+from p2pfl.models import resolve_model
 from p2pfl.options import bind, bind_with_common
 from p2pfl.peers import population
 from p2pfl.training import TrainConfig
@@ -65,14 +66,22 @@ def parse_yaml(text: str) -> Any:
 
 @dataclass(frozen=True)
 class EvalConfig:
-    """The ``eval:`` section: how often the global test set is scored."""
+    """The ``eval:`` section: how often the global test set is scored, and the optional
+    neuron-matching measure after the run (:mod:`p2pfl.matching`)."""
 
     every: int = 1
     per_peer: bool = True
+    matching: dict | None = None
 
     def __post_init__(self) -> None:
         if self.every < 1:
             raise ConfigError("every", "must be >= 1")
+        if self.matching is not None:
+            try:
+                keys = asdict(MatchingConfig(**bind(MatchingConfig, self.matching)))
+            except ConfigError as e:
+                raise e.within("matching") from None
+            object.__setattr__(self, "matching", keys)  # stored with its defaults filled in
 
 
 @dataclass(frozen=True)
@@ -183,7 +192,7 @@ def resolve(raw: dict[str, Any], file: Path) -> dict[str, Any]:
     steps = {
         "dataset": lambda o: _named(DATASETS, o, 0, take_subsets, 2),
         "partition": lambda o: _named(PARTITIONERS, o, 3, validation_size, 1),
-        "model": lambda o: _named(MODELS, o, 2),
+        "model": resolve_model,
         "topology": lambda o: _include(o, "file", file, "topology"),
         "peers": lambda o: bind(population, _include(o, "profile", file, "peer profile")),
         "algorithm": lambda o: _named(METHODS, o, 0),

@@ -13,8 +13,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 import yaml
 
+from p2pfl import matching
 from p2pfl.codec import from_section
 from p2pfl.config import EvalConfig
 from p2pfl.data.datasets import load_dataset
@@ -62,6 +64,8 @@ class Setup:
 
     def contexts(self) -> dict[int, NodeContext]:
         init_seed = derive_seed(self.seed, "init")
+        params = self.trainer.module(torch.device("cpu")).named_parameters()
+        trainable = frozenset(name for name, _ in params)
         return {
             node: NodeContext(
                 node=node,
@@ -71,6 +75,7 @@ class Setup:
                 else 0,
                 seed=self.seed,
                 init_state=lambda: self.trainer.init_state(init_seed),
+                trainable=trainable,
             )
             for node in self.topology.graph.nodes
         }
@@ -90,13 +95,19 @@ def build(config: dict[str, Any]) -> Setup:
     _within("topology", method.check, topology, seed)
     dataset = _within("dataset", load_dataset, config["dataset"], seed)
     trainer = _within("model", Trainer, config["model"], dataset.input_shape, dataset.num_classes)
+    evaluation = EvalConfig(**config["eval"])
+    if evaluation.matching is not None:
+        _within(
+            "eval.matching", matching.check, matching.MatchingConfig(**evaluation.matching),
+            trainer.module(torch.device("cpu")), topology.num_peers,
+        )  # fmt: skip
     try:
         data = make_federated_data(dataset, config["partition"], topology.num_peers, seed)
     except ConfigError as e:
         raise e.within("peers" if e.key == "count" else "partition") from None
     return Setup(
-        config, method, population, topology, trainer, data,
-        TrainConfig(**config["train"]), EvalConfig(**config["eval"]),
+        config, method, population, topology, trainer, data, TrainConfig(**config["train"]),
+        evaluation,
     )  # fmt: skip
 
 
@@ -194,14 +205,24 @@ def _results(
     def score(state: State) -> tuple[float, float]:
         return setup.trainer.evaluate(state, setup.data.test_x, setup.data.test_y, device)
 
-    acc, loss = score(final_state(finals, setup.topology))
+    output = final_state(finals, setup.topology)
+    acc, loss = score(output)
     last_round = setup.method.rounds(setup.topology.num_peers)
     metrics.log(now, last_round, "final", "accuracy", acc)
     metrics.log(now, last_round, "final", "loss", loss)
+    results: dict[str, Any] = {}
+    if setup.eval.matching is not None:
+        results["matching"] = matching.measure(
+            setup.trainer, output, setup.data, setup.train,
+            matching.MatchingConfig(**setup.eval.matching), setup.seed, device,
+        )  # fmt: skip
+        for against, ratios in results["matching"].items():
+            for layer, ratio in ratios.items():
+                metrics.log(now, last_round, "final", f"match_{against}/{layer}", ratio)
     metrics.close()
     per_peer = []
     if setup.eval.per_peer:
         for p in setup.topology.peers:
             state = finals[p].state
             per_peer.append({"peer": p, "accuracy": None if state is None else score(state)[0]})
-    return {"final": {"accuracy": acc, "loss": loss}, "per_peer": per_peer}
+    return results | {"final": {"accuracy": acc, "loss": loss}, "per_peer": per_peer}

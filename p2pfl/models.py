@@ -7,21 +7,26 @@ between a peer's turns.
 
 The small models (``mlp``, ``lenet``, ``cnn3``, ``cnn_s``) are built from :class:`Hidden`
 layers, so every hidden non-linearity sits in one place per layer (``Hidden.act``), after
-the layer and its normalisation. Position-aware neurons (specs/pans.md §2.3) plug in there;
-the output layer is a bare ``nn.Linear`` and never gets one.
+the layer and its normalisation. Every builder also takes the ``pans`` key: position-aware
+neurons (:mod:`p2pfl.pans`), a fixed encoding on the output of each hidden layer's
+normalisation, right before its activation (:func:`hidden_units` lists those points; the
+output layer is a bare ``nn.Linear`` and never gets one).
 """
 
 from __future__ import annotations
 
+import sys
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import Literal
+from dataclasses import asdict
+from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
 
 from p2pfl.errors import ConfigError
-from p2pfl.options import Registry, bind
+from p2pfl.options import Registry, bind, bind_with_common
+from p2pfl.pans import Pans, encode
 
 InputShape = tuple[int, int, int]
 """(channels, height, width) of one sample."""
@@ -32,8 +37,8 @@ MODELS: Registry[Callable[..., nn.Module]] = Registry("model")
 class Hidden(nn.Module):
     """One hidden layer: ``layer`` → ``norm`` → ``act`` → ``pool``.
 
-    ``act`` is the layer's only non-linearity, so a position encoding (PANs) can be added
-    right before it by wrapping or replacing this one module. Missing parts are
+    ``act`` is the layer's only non-linearity; the output of ``norm`` is the layer's
+    pre-activation, where a position encoding (PANs) goes. Missing parts are
     ``nn.Identity`` so the forward pass stays uniform and adds no state.
     """
 
@@ -210,7 +215,8 @@ def resnet18(
     stride-1 stem taking C input channels and no max-pool, as in FedELMY's code.
 
     ``norm`` picks BatchNorm, GroupNorm (2 groups) or none (``nn.Identity``; FedFisher's
-    ResNet has no BN). Position encodings, if added later, go on the norm outputs.
+    ResNet has no BN). Position encodings (``pans``) go on each block's norm outputs:
+    after BN1 and BN2 and after a projection shortcut's BN, none on the stem.
     """
     # Imported here: torchvision doubles the import time and only ResNets need it.
     from torchvision.models import resnet18 as tv_resnet18
@@ -227,13 +233,65 @@ def resnet18(
     return model
 
 
+def _width(layer: nn.Module) -> int:
+    return layer.out_features if isinstance(layer, nn.Linear) else layer.out_channels
+
+
+def hidden_units(model: nn.Module) -> dict[str, tuple[nn.Module, int]]:
+    """Each hidden layer's pre-activation point: the module whose output it is, and its
+    number of units (features or channels), by name.
+
+    That is every :class:`Hidden` layer's ``norm`` (named by the layer), and in ResNets each
+    basic block's ``bn1``, ``bn2`` and projection-shortcut norm (named by their path); the
+    stem and the output layer are not hidden units (specs/pans.md §2.3).
+    """
+    # A ResNet was built by torchvision, so it is imported; other models need not load it.
+    resnet = sys.modules.get("torchvision.models.resnet")
+    units: dict[str, tuple[nn.Module, int]] = {}
+    for name, m in model.named_modules():
+        if isinstance(m, Hidden):
+            units[name] = (m.norm, _width(m.layer))
+        elif resnet is not None and isinstance(m, resnet.BasicBlock):
+            units[f"{name}.bn1"] = (m.bn1, _width(m.conv1))
+            units[f"{name}.bn2"] = (m.bn2, _width(m.conv2))
+            if m.downsample is not None:
+                units[f"{name}.downsample.1"] = (m.downsample[1], _width(m.downsample[0]))
+    return units
+
+
+def _model_keys(*, pans: dict | None = None) -> None:
+    """The keys every model takes besides its builder's (see :class:`Pans`)."""
+
+
+def resolve_model(options: dict) -> dict[str, Any]:
+    """Check a ``model:`` mapping (``name``, its builder's keys, ``pans``) and return it with
+    every default filled in."""
+    if "name" not in options:
+        raise ConfigError("name", f"missing; choose one of: {', '.join(MODELS.names())}")
+    fn = MODELS.get(options["name"])
+    rest = {k: v for k, v in options.items() if k != "name"}
+    own, common = bind_with_common(fn, _model_keys, rest, skip=2)
+    pans = dict(common["pans"] or {})
+    if pans.get("mode") is False:  # YAML 1.1 reads a bare ``off`` as false
+        pans["mode"] = "off"
+    try:
+        resolved = asdict(Pans(**bind(Pans, pans)))
+    except ConfigError as e:
+        raise e.within("pans") from None
+    return {"name": options["name"]} | own | {"pans": resolved}
+
+
 def build_model(options: dict, input_shape: InputShape, num_classes: int) -> nn.Module:
     """Build the model described by the YAML ``model:`` mapping (``name`` plus its keys)."""
-    rest = dict(options)
-    if "name" not in rest:
-        raise ConfigError("name", "missing required key")
-    fn = MODELS.get(rest.pop("name"))
-    return fn(tuple(input_shape), num_classes, **bind(fn, rest, skip=2))
+    keys = resolve_model(options)
+    fn = MODELS.get(keys.pop("name"))
+    pans = Pans(**keys.pop("pans"))
+    model = fn(tuple(input_shape), num_classes, **keys)
+    try:
+        encode(hidden_units(model).values(), pans)
+    except ConfigError as e:
+        raise e.within("pans") from None
+    return model
 
 
 def forward_flops(model: nn.Module, input_shape: InputShape) -> int:

@@ -20,13 +20,15 @@ from p2pfl.topology import Topology
 
 @dataclass(frozen=True)
 class NodeContext:
-    """What one node knows: who it is, its neighbours, its data size, the shared init."""
+    """What one node knows: who it is, its neighbours, its data size, the shared init, and
+    which keys of a model state are trainable parameters (the others are buffers)."""
 
     node: int
     topology: Topology
     num_samples: int
     seed: int
     init_state: Callable[[], State]
+    trainable: frozenset[str]
 
     @property
     def neighbours(self) -> list[int]:

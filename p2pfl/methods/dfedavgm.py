@@ -5,6 +5,10 @@ the momentum restarts every round, as in the paper's algorithm), sends its model
 neighbours, and mixes: x_i ← Σ_j w_ij x_j with Metropolis–Hastings weights
 w_ij = 1 / (1 + max(deg_i, deg_j)) — symmetric and doubly stochastic; 1/N on a mesh and
 1/3 on a ring. One round moves Σ_i deg(i) models. The result is the mean of all peers.
+
+``relaxed_init: {beta, aggregate}`` adds FedInit's relaxed start (:mod:`p2pfl.methods.relaxed`)
+in its gossip form (specs/fedinit.md §1): a peer starts from its mixed model x̄ + β·(x̄ − its
+last local model). It sends nothing extra.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from p2pfl.effects import Behaviour, Evaluate, Finish, Recv, Send, State, Train
 from p2pfl.errors import ConfigError
 from p2pfl.methods import METHODS
 from p2pfl.methods.base import Method, NodeContext
+from p2pfl.methods.relaxed import local_round, parse_relaxed_init
 from p2pfl.models import average_states
 from p2pfl.plan import Plan, Transfer
 from p2pfl.topology import Topology
@@ -34,10 +39,11 @@ class DFedAvgM(Method):
 
     name = "dfedavgm"
 
-    def __init__(self, *, rounds: int = 20) -> None:
+    def __init__(self, *, rounds: int = 20, relaxed_init: dict | None = None) -> None:
         if rounds < 1:
             raise ConfigError("rounds", "must be >= 1")
         self.num_rounds = rounds
+        self.relaxed = parse_relaxed_init(relaxed_init)
 
     def rounds(self, num_peers: int) -> int:
         return self.num_rounds
@@ -64,8 +70,11 @@ class DFedAvgM(Method):
     def behaviour(self, ctx: NodeContext) -> Behaviour:
         weights = metropolis_weights(ctx.topology, ctx.node)
         state = ctx.init_state()
+        last = state  # the last local model (FedInit's per-peer state)
         for r in range(1, self.num_rounds + 1):
-            state = (yield self.local_train(state, r)).state
+            last, state = yield from local_round(
+                self.relaxed, self.local_train, state, last, ctx.trainable, r
+            )
             for j in ctx.neighbours:
                 yield Send(j, "model", r, state)
             msgs = yield Recv(count=len(ctx.neighbours), round=r)

@@ -6,6 +6,10 @@ model back, and the server takes their sample-weighted mean. One round moves 2·
 bytes; with ``weighting: samples`` each peer also sends its sample count in a small
 ``control`` message. ``rounds: 1`` with ``participation: 1`` is one-shot FedAvg. At the
 end the server tells every peer to stop (one ``control`` message each).
+
+``relaxed_init: {beta, aggregate}`` is FedInit (:mod:`p2pfl.methods.relaxed`): each peer
+starts its local training from the relaxed point and keeps its last local model, in the
+client's own behaviour; the server and the messages stay exactly as above.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from p2pfl.effects import Behaviour, Evaluate, Finish, Recv, Send, State, Train
 from p2pfl.errors import ConfigError
 from p2pfl.methods import METHODS
 from p2pfl.methods.base import Method, NodeContext
+from p2pfl.methods.relaxed import local_round, parse_relaxed_init
 from p2pfl.models import average_states
 from p2pfl.plan import Plan, Transfer
 from p2pfl.seeding import numpy_rng
@@ -35,6 +40,7 @@ class FedAvg(Method):
         rounds: int = 20,
         participation: float = 1.0,
         weighting: Literal["samples", "uniform"] = "samples",
+        relaxed_init: dict | None = None,
     ) -> None:
         if rounds < 1:
             raise ConfigError("rounds", "must be >= 1")
@@ -43,6 +49,7 @@ class FedAvg(Method):
         self.num_rounds = rounds
         self.participation = participation
         self.weighting = weighting
+        self.relaxed = parse_relaxed_init(relaxed_init)
 
     def rounds(self, num_peers: int) -> int:
         return self.num_rounds
@@ -75,14 +82,15 @@ class FedAvg(Method):
         yield Finish(state, output=True)
 
     def client(self, ctx: NodeContext) -> Behaviour:
-        held = ctx.init_state()
+        held = ctx.init_state()  # the last local model (FedInit's per-peer state)
         while True:
             (msg,) = yield Recv(kinds=("model", "control"))
             if msg.kind == "control":
                 break
-            result = yield self.local_train(msg.tensors, msg.round)
-            held = result.state
-            yield Send(msg.src, "model", msg.round, held)
+            held, upload = yield from local_round(
+                self.relaxed, self.local_train, msg.tensors, held, ctx.trainable, msg.round
+            )
+            yield Send(msg.src, "model", msg.round, upload)
             if self.weighting == "samples":
                 yield Send(msg.src, "control", msg.round, {}, {"num_samples": ctx.num_samples})
         yield Finish(held)

@@ -1,4 +1,7 @@
-"""FedProx (Li et al., 2020): FedAvg whose local loss adds (mu/2)·‖w − w_global‖²."""
+"""FedProx (Li et al., 2020): FedAvg whose local loss adds (mu/2)·‖w − w_global‖².
+
+With ``relaxed_init`` the anchor is the relaxed start, the model the training begins from
+(specs/fedinit.md §2.1)."""
 
 from __future__ import annotations
 
@@ -36,8 +39,14 @@ class FedProx(FedAvg):
         participation: float = 1.0,
         weighting: Literal["samples", "uniform"] = "samples",
         mu: float = 0.01,
+        relaxed_init: dict | None = None,
     ) -> None:
-        super().__init__(rounds=rounds, participation=participation, weighting=weighting)
+        super().__init__(
+            rounds=rounds,
+            participation=participation,
+            weighting=weighting,
+            relaxed_init=relaxed_init,
+        )
         if mu < 0:
             raise ConfigError("mu", "must be >= 0")
         self.mu = mu
