@@ -19,7 +19,7 @@ import yaml
 
 from p2pfl.codec import resolve_section as resolve_compression
 from p2pfl.data.datasets import DATASETS, take_subsets
-from p2pfl.data.federated import validation_size
+from p2pfl.data.federated import SplitOptions
 from p2pfl.data.partition import PARTITIONERS
 from p2pfl.errors import ConfigError
 from p2pfl.matching import MatchingConfig
@@ -191,7 +191,7 @@ def resolve(raw: dict[str, Any], file: Path) -> dict[str, Any]:
     out["seed"] = config["seed"]
     steps = {
         "dataset": lambda o: _named(DATASETS, o, 0, take_subsets, 2),
-        "partition": lambda o: _named(PARTITIONERS, o, 3, validation_size, 1),
+        "partition": lambda o: _named(PARTITIONERS, o, 3, SplitOptions),
         "model": resolve_model,
         "topology": lambda o: _include(o, "file", file, "topology"),
         "peers": lambda o: bind(population, _include(o, "profile", file, "peer profile")),

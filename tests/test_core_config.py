@@ -105,7 +105,8 @@ def test_set_and_seed_override_the_file(tmp_path, capsys):
     resolved = yaml.safe_load((out / "config.yaml").read_text())
     assert resolved["seed"] == 3 and resolved["algorithm"]["rounds"] == 1
     assert resolved["partition"] == {
-        "name": "dirichlet", "alpha": 1.0, "min_size": 10, "max_tries": 100, "val_fraction": 0.1
+        "name": "dirichlet", "alpha": 1.0, "min_size": 10, "max_tries": 100,
+        "val_fraction": 0.1, "seed": None,
     }  # fmt: skip
     assert resolved["train"]["optimizer"] == "sgd"  # defaults are written out
 

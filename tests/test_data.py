@@ -18,6 +18,7 @@ import torchvision.transforms.functional as TF
 from p2pfl.data import (
     PARTITIONERS,
     Dataset,
+    SplitOptions,
     load_dataset,
     make_federated_data,
     save_partition,
@@ -348,6 +349,37 @@ def test_federated_data_is_seeded(digits: Dataset) -> None:
     assert a.input_shape == (1, 8, 8) and a.num_classes == 10
 
 
+def test_partition_seed_fixes_the_split_across_run_seeds(digits: Dataset) -> None:
+    def make(run_seed: int, split_seed: int):
+        options = {"name": "dirichlet", "seed": split_seed}
+        return make_federated_data(digits, options, num_peers=5, seed=run_seed).counts
+
+    assert np.array_equal(make(0, 3), make(1, 3))
+    assert not np.array_equal(make(0, 3), make(0, 4))
+
+
+def test_partition_seed_reproduces_the_fedfisher_reference_split() -> None:
+    """specs/fedfisher.md §4: the reference seeds numpy's global RNG with 3, draws one
+    Dir(alpha) class mix per client, then per class shuffles that class's indices and cuts
+    them by q_ik / sum_j q_jk, then shuffles each client's list."""
+    labels = np.random.default_rng(1).integers(0, 10, 3000)
+    np.random.seed(3)
+    q = np.array([np.random.dirichlet(np.repeat(0.1, 10)) for _ in range(5)])
+    clients: list[list[int]] = [[] for _ in range(5)]
+    for k in range(10):
+        idx = np.where(labels == k)[0]
+        np.random.shuffle(idx)
+        cuts = (np.cumsum(q[:, k] / q[:, k].sum()) * len(idx)).astype(int)[:-1]
+        for c, chunk in zip(clients, np.split(idx, cuts), strict=True):
+            c += chunk.tolist()
+    for c in clients:
+        np.random.shuffle(c)
+
+    rng = SplitOptions(seed=3).rng(run_seed=0)
+    ours = PARTITIONERS.get("peer_dirichlet")(labels, 5, rng, alpha=0.1, min_size=0)
+    assert [p.tolist() for p in ours] == clients
+
+
 @pytest.mark.parametrize(
     ("options", "key"),
     [
@@ -356,6 +388,8 @@ def test_federated_data_is_seeded(digits: Dataset) -> None:
         ({"name": "dirichlet", "alpha": "big"}, "alpha"),
         ({"name": "iid", "val_fraction": 1.0}, "val_fraction"),
         ({"name": "iid", "val_fraction": -0.1}, "val_fraction"),
+        ({"name": "iid", "seed": -1}, "seed"),
+        ({"name": "iid", "seed": 1.5}, "seed"),
     ],
 )
 def test_partition_option_errors(digits: Dataset, options: dict, key: str) -> None:

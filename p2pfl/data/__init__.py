@@ -1,7 +1,13 @@
 """The data layer: offline dataset loaders, partitioners and per-peer data."""
 
 from p2pfl.data.datasets import DATASETS, Dataset, load_dataset
-from p2pfl.data.federated import FederatedData, PeerData, make_federated_data, save_partition
+from p2pfl.data.federated import (
+    FederatedData,
+    PeerData,
+    SplitOptions,
+    make_federated_data,
+    save_partition,
+)
 from p2pfl.data.partition import PARTITIONERS
 
 __all__ = [
@@ -10,6 +16,7 @@ __all__ = [
     "Dataset",
     "FederatedData",
     "PeerData",
+    "SplitOptions",
     "load_dataset",
     "make_federated_data",
     "save_partition",

@@ -48,14 +48,35 @@ class FederatedData:
     counts: np.ndarray  # [num_peers, num_classes]: train + val samples per peer and class
 
 
-def validation_size(n: int, *, val_fraction: float = 0.1) -> int:
-    """How many of a peer's ``n`` samples are held out: ``val_fraction`` of them, at least
-    one when ``val_fraction`` > 0 and the peer has two or more."""
-    if not 0 <= val_fraction < 1:
-        raise ConfigError("val_fraction", f"must be in [0, 1), got {val_fraction}")
-    if val_fraction == 0 or n < 2:
-        return 0
-    return max(1, int(val_fraction * n + 1e-9))
+@dataclass(frozen=True)
+class SplitOptions:
+    """The ``partition`` keys every partitioner shares."""
+
+    val_fraction: float = 0.1
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.val_fraction < 1:
+            raise ConfigError("val_fraction", f"must be in [0, 1), got {self.val_fraction}")
+        if self.seed is not None and not 0 <= self.seed < 2**32:
+            raise ConfigError("seed", f"must be in [0, 2**32), got {self.seed}")
+
+    def validation_size(self, n: int) -> int:
+        """How many of a peer's ``n`` samples are held out: ``val_fraction`` of them, at
+        least one when ``val_fraction`` > 0 and the peer has two or more."""
+        if self.val_fraction == 0 or n < 2:
+            return 0
+        return max(1, int(self.val_fraction * n + 1e-9))
+
+    def rng(self, run_seed: int) -> np.random.Generator | np.random.RandomState:
+        """The split's random stream. By default it comes from the run seed, so seeds vary
+        the split. With ``seed`` the split is fixed for every run seed and drawn with
+        numpy's legacy ``RandomState(seed)``: the stream ``np.random.seed(seed)`` gives the
+        FedFisher and FedMA reference codes, whose call order ``peer_dirichlet`` follows, so
+        ``seed: 3`` is the FedFisher reference's Fashion-MNIST split."""
+        if self.seed is not None:
+            return np.random.RandomState(self.seed)
+        return np.random.default_rng(np.random.SeedSequence([run_seed, _PARTITION_TAG]))
 
 
 def make_federated_data(
@@ -64,7 +85,8 @@ def make_federated_data(
     """Split ``dataset``'s train set among ``num_peers`` peers as the YAML ``partition:``
     mapping (``name`` included) says.
 
-    The split is seeded by ``seed`` (same seed, same split). Each peer's validation set is
+    The split is seeded by ``seed`` (same seed, same split) unless the section fixes its own
+    ``seed`` (:meth:`SplitOptions.rng`). Each peer's validation set is
     the first ``val_fraction`` of its shuffled indices, as in the FedELMY code. For domain
     shift each peer's data is rotated by its angle (``torch.rot90`` for multiples of 90°,
     exact), and the test set is the union of the test set under every peer angle (each
@@ -76,12 +98,11 @@ def make_federated_data(
     name = partition_options["name"]
     rest = {k: v for k, v in partition_options.items() if k != "name"}
     fn = PARTITIONERS.get(name)
-    kwargs, common = bind_with_common(fn, validation_size, rest, skip=3, common_skip=1)
-    validation_size(0, **common)  # reject a bad val_fraction before splitting
+    kwargs, common = bind_with_common(fn, SplitOptions, rest, skip=3)
+    split = SplitOptions(**common)  # reject a bad val_fraction or seed before splitting
 
     labels = dataset.train_y.numpy()
-    rng = np.random.default_rng(np.random.SeedSequence([seed, _PARTITION_TAG]))
-    parts = fn(labels, num_peers, rng, **kwargs)
+    parts = fn(labels, num_peers, split.rng(seed), **kwargs)
     angles = rotations(name, num_peers, kwargs) or [0.0] * num_peers
     fill = dataset.train_x.amin(dim=(0, 2, 3)).tolist()  # the darkest value per channel
 
@@ -89,7 +110,7 @@ def make_federated_data(
     for i, (idx, angle) in enumerate(zip(parts, angles, strict=True)):
         if len(idx) == 0:
             raise ConfigError("", f"peer {i} got no training samples; use fewer peers")
-        n_val = validation_size(len(idx), **common)
+        n_val = split.validation_size(len(idx))
         x = rotate(dataset.train_x[torch.from_numpy(idx)], angle, fill)
         y = dataset.train_y[torch.from_numpy(idx)]
         peers.append(PeerData(x[n_val:], y[n_val:], x[:n_val], y[:n_val]))

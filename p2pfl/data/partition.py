@@ -2,7 +2,9 @@
 
 Each partitioner is ``fn(labels, num_peers, rng, *, <keys>) -> list[np.ndarray]``: one
 shuffled index array per peer into the train set. Its keyword arguments are the YAML keys
-of the ``partition:`` section. Errors name keys relative to that section.
+of the ``partition:`` section; errors name keys relative to that section. ``rng`` is a
+numpy ``Generator`` or a legacy ``RandomState`` (to reproduce reference codes' splits), so
+partitioners call only the methods both have.
 
 Domain shift (``domain``) splits labels IID; :func:`rotations` tells the caller which
 rotation each peer's data gets, so partitioners stay plain index splitters.
@@ -19,6 +21,7 @@ from p2pfl.errors import ConfigError
 from p2pfl.options import Registry
 
 Partitioner = Callable[..., list[np.ndarray]]
+Rng = np.random.Generator | np.random.RandomState  # the legacy one reproduces reference splits
 PARTITIONERS: Registry[Partitioner] = Registry("partition")
 
 
@@ -34,7 +37,7 @@ def _check_peers(labels: np.ndarray, num_peers: int) -> None:
 
 
 @PARTITIONERS.register("iid")
-def iid(labels: np.ndarray, num_peers: int, rng: np.random.Generator) -> list[np.ndarray]:
+def iid(labels: np.ndarray, num_peers: int, rng: Rng) -> list[np.ndarray]:
     """Shuffle all samples and split them into near-equal parts."""
     _check_peers(labels, num_peers)
     return np.array_split(rng.permutation(len(labels)), num_peers)
@@ -44,7 +47,7 @@ def iid(labels: np.ndarray, num_peers: int, rng: np.random.Generator) -> list[np
 def dirichlet(
     labels: np.ndarray,
     num_peers: int,
-    rng: np.random.Generator,
+    rng: Rng,
     *,
     alpha: float = 0.5,
     min_size: int = 10,
@@ -100,7 +103,7 @@ def _check_skew(
 
 def _redraw(
     draw: Callable[[], list[list[np.ndarray]]],
-    rng: np.random.Generator,
+    rng: Rng,
     min_size: int,
     max_tries: int,
 ) -> list[np.ndarray]:
@@ -123,7 +126,7 @@ def _redraw(
 def peer_dirichlet(
     labels: np.ndarray,
     num_peers: int,
-    rng: np.random.Generator,
+    rng: Rng,
     *,
     alpha: float = 0.1,
     min_size: int = 10,
@@ -155,7 +158,7 @@ def peer_dirichlet(
 def shards(
     labels: np.ndarray,
     num_peers: int,
-    rng: np.random.Generator,
+    rng: Rng,
     *,
     classes_per_peer: int = 2,
 ) -> list[np.ndarray]:
@@ -184,7 +187,7 @@ def shards(
 
 
 @PARTITIONERS.register("disjoint")
-def disjoint(labels: np.ndarray, num_peers: int, rng: np.random.Generator) -> list[np.ndarray]:
+def disjoint(labels: np.ndarray, num_peers: int, rng: Rng) -> list[np.ndarray]:
     """Shuffle the classes into ``num_peers`` disjoint near-equal groups; each peer gets all
     samples of its group's classes."""
     _check_peers(labels, num_peers)
@@ -202,7 +205,7 @@ def disjoint(labels: np.ndarray, num_peers: int, rng: np.random.Generator) -> li
 def domain(
     labels: np.ndarray,
     num_peers: int,
-    rng: np.random.Generator,
+    rng: Rng,
     *,
     angles: tuple[float, ...] = (0.0, 15.0, 30.0, 45.0),
     samples_per_peer: int | None = None,
