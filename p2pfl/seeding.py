@@ -19,10 +19,10 @@ def _key(part: int | str) -> int:
 
 def derive_seed(seed: int, *keys: int | str) -> int:
     """A 63-bit seed for the stream named by ``keys`` under the run's ``seed``."""
-    ss = np.random.SeedSequence([seed, *(_key(k) for k in keys)])
-    return int(ss.generate_state(2, dtype=np.uint32).astype(np.uint64) @ [1 << 31, 1]) & (
-        (1 << 63) - 1
-    )
+    high, low = np.random.SeedSequence([seed, *(_key(k) for k in keys)]).generate_state(2)
+    # high·2^31 + low rounded to a float64, as the first version computed it (numpy promoted
+    # its uint64 @ int64 product to float64); kept so that every seed's streams stay the same.
+    return int(float((int(high) << 31) + int(low))) & ((1 << 63) - 1)
 
 
 def numpy_rng(seed: int, *keys: int | str) -> np.random.Generator:

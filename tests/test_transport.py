@@ -93,6 +93,9 @@ def launcher(tmp_path):
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,  # its own process group, so teardown can stop every peer
+        # Ctrl-C as at a terminal even when the tests run as a background job, whose
+        # children inherit an ignored SIGINT (Python then never raises KeyboardInterrupt)
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     try:
         server_metrics = out / "peers" / "server" / "metrics.csv"
