@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import zlib
+
+import numpy as np
 import pytest
 import torch
 
@@ -9,6 +12,7 @@ from p2pfl.effects import Finish, Recv, Send
 from p2pfl.errors import RunError
 from p2pfl.ledger import Ledger
 from p2pfl.runtime.sim import SimRuntime
+from p2pfl.seeding import derive_seed
 from p2pfl.topology import build_topology
 from p2pfl.wire import Message, encode
 
@@ -119,3 +123,13 @@ def test_sending_to_a_non_neighbour_fails():
     sim = SimRuntime(topo, worker=None, ledger=Ledger())
     with pytest.raises(RunError, match="not its neighbour"):
         sim.run({0: bad(sim)})
+
+
+def test_derive_seed_keeps_the_first_versions_values():
+    """Every stream's seed must stay what it was, or old runs no longer replay: the first
+    version computed high·2^31 + low as a numpy uint64 @ int64 product, i.e. in float64."""
+    for seed, keys in [(0, ("train", 3, 4, 0)), (7, ("init",)), (2**31 - 1, ("part", 99, 1))]:
+        ints = [zlib.crc32(k.encode()) if isinstance(k, str) else k for k in keys]
+        state = np.random.SeedSequence([seed, *ints]).generate_state(2, dtype=np.uint32)
+        old = int(state.astype(np.uint64) @ [1 << 31, 1]) & ((1 << 63) - 1)
+        assert derive_seed(seed, *keys) == old
