@@ -32,7 +32,7 @@ from p2pfl.ledger import Ledger
 from p2pfl.runtime.batching import TrainBatcher
 from p2pfl.runtime.mailbox import describe, matches, take
 from p2pfl.runtime.worker import Worker
-from p2pfl.topology import Topology
+from p2pfl.topology import Link, Topology
 from p2pfl.wire import Message, deliver
 
 
@@ -55,8 +55,10 @@ class SimRuntime:
         self.inbox: dict[int, list[Message]] = {n: [] for n in nodes}
         self.wakeup: dict[int, simpy.Event] = {}
         self.missing: dict[int, int] = {}  # matching messages a waiting node still lacks
-        # each sender's uplink: (message, frame size, send time), the head in transfer
-        self.uplink: dict[int, deque[tuple[Message, int, float]]] = {n: deque() for n in nodes}
+        # each sender's uplink: (message, frame size, send time, link), the head in transfer
+        self.uplink: dict[int, deque[tuple[Message, int, float, Link]]] = {
+            n: deque() for n in nodes
+        }
         self.waiting: dict[int, Recv] = {}
         self.finals: dict[int, Finish] = {}
         self.batcher = TrainBatcher(self.env, worker)
@@ -136,7 +138,7 @@ class SimRuntime:
         msg = Message(eff.kind, src, eff.dst, eff.round, eff.tensors, eff.meta)
         received, size = deliver(msg, self.compression)
         queue = self.uplink[src]
-        queue.append((received, size, self.env.now))
+        queue.append((received, size, self.env.now, self.topology.link(src, eff.dst)))
         if len(queue) == 1:
             self._transmit(src)
 
@@ -145,15 +147,15 @@ class SimRuntime:
     # at a tenth of the cost.
     def _transmit(self, src: int) -> None:
         """Put the head of ``src``'s uplink queue on the wire."""
-        msg, size, _ = self.uplink[src][0]
-        done = self.env.timeout(self.topology.link(src, msg.dst).transfer_s(size))
+        _, size, _, link = self.uplink[src][0]
+        done = self.env.timeout(link.transfer_s(size))
         done.callbacks.append(lambda _: self._transmitted(src))
 
     def _transmitted(self, src: int) -> None:
         """The head's last bit has left ``src``: it arrives ``latency_s`` later, and the
         uplink takes the next message."""
-        msg, size, sent = self.uplink[src].popleft()
-        arrival = self.env.timeout(self.topology.link(src, msg.dst).latency_s)
+        msg, size, sent, link = self.uplink[src].popleft()
+        arrival = self.env.timeout(link.latency_s)
         arrival.callbacks.append(lambda _: self._arrive(msg, size, sent))
         if self.uplink[src]:
             self._transmit(src)
