@@ -27,8 +27,10 @@ test: install data
 	$(VENV)/bin/python -m pytest -q
 
 lint: install
-	$(VENV)/bin/ruff check p2pfl tests benchmarks
-	$(VENV)/bin/ruff format --check p2pfl tests benchmarks
+	$(VENV)/bin/ruff check p2pfl tests benchmarks examples
+	$(VENV)/bin/ruff format --check p2pfl tests benchmarks examples
+	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports
 
 bench: install
 	$(PY) benchmarks/overhead.py

@@ -28,12 +28,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import report  # noqa: E402
 
-from p2pfl import batched  # noqa: E402
-from p2pfl.config import resolve  # noqa: E402
-from p2pfl.experiment import Setup, build, run  # noqa: E402
-from p2pfl.models import average_states  # noqa: E402
-from p2pfl.seeding import torch_generator  # noqa: E402
-from p2pfl.training import TrainConfig  # noqa: E402
+from p2pfl.app.config import resolve  # noqa: E402
+from p2pfl.app.experiment import build, run  # noqa: E402
+from p2pfl.core.seeding import torch_generator  # noqa: E402
+from p2pfl.learning import batched  # noqa: E402
+from p2pfl.learning.models import average_states  # noqa: E402
+from p2pfl.learning.training import TrainConfig  # noqa: E402
+from p2pfl.runtime.setup import Setup  # noqa: E402
 
 CPU = torch.device("cpu")
 CONFIG = {

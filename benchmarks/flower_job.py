@@ -32,9 +32,10 @@ from flwr.server import ServerConfig  # noqa: E402
 from flwr.server.strategy import FedAvg  # noqa: E402
 from flwr.simulation import start_simulation  # noqa: E402
 
-from p2pfl.config import resolve  # noqa: E402
-from p2pfl.experiment import Setup, build  # noqa: E402
-from p2pfl.seeding import derive_seed, torch_generator  # noqa: E402
+from p2pfl.app.config import resolve  # noqa: E402
+from p2pfl.app.experiment import build  # noqa: E402
+from p2pfl.core.seeding import derive_seed, torch_generator  # noqa: E402
+from p2pfl.runtime.setup import Setup  # noqa: E402
 
 CPU = torch.device("cpu")
 CONFIG_ENV = "P2PFL_FLOWER_JOB"

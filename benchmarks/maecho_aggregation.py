@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import report  # noqa: E402
 
 from p2pfl.data.federated import PeerData  # noqa: E402
+from p2pfl.learning.models import average_states, build_model  # noqa: E402
 from p2pfl.methods.maecho import (  # noqa: E402
     Contribution,
     aggregate,
@@ -34,7 +35,6 @@ from p2pfl.methods.maecho import (  # noqa: E402
     pack,
     unpack,
 )
-from p2pfl.models import average_states, build_model  # noqa: E402
 
 MODEL = {"name": "mlp", "hidden": [400, 200, 100], "bias": False}
 VARIANTS = {

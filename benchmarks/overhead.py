@@ -24,8 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import report  # noqa: E402
 
-from p2pfl.config import resolve  # noqa: E402
-from p2pfl.experiment import build, run  # noqa: E402
+from p2pfl.app.config import resolve  # noqa: E402
+from p2pfl.app.experiment import build, run  # noqa: E402
 
 CONFIG = {
     "name": "overhead",

@@ -61,9 +61,9 @@ def child(method: str, peers: int, rounds: int) -> dict:
     """One run in this process; returns its memory figures (called in a fresh process)."""
     import torch
 
-    from p2pfl.config import resolve
-    from p2pfl.experiment import _simulate, build
-    from p2pfl.models import state_bytes
+    from p2pfl.app.config import resolve
+    from p2pfl.app.experiment import _simulate, build
+    from p2pfl.learning.state import state_bytes
 
     torch.set_num_threads(1)
     config = copy.deepcopy(CONFIG)

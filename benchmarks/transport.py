@@ -25,11 +25,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import report  # noqa: E402
 
-from p2pfl.config import TransportConfig  # noqa: E402
-from p2pfl.effects import Recv, Send  # noqa: E402
-from p2pfl.ledger import Ledger  # noqa: E402
-from p2pfl.runtime.sockets import ZmqNode  # noqa: E402
-from p2pfl.topology import build_topology  # noqa: E402
+from p2pfl.methods.effects import Recv, Send  # noqa: E402
+from p2pfl.network.ledger import Ledger  # noqa: E402
+from p2pfl.network.topology import build_topology  # noqa: E402
+from p2pfl.runtime.sockets import (
+    TransportConfig,  # noqa: E402
+    ZmqNode,  # noqa: E402
+)
 
 SIZES_MB = (1, 10, 45)
 TRANSPORT = TransportConfig(timeout_s=60.0, max_message_bytes=1 << 30)

@@ -33,8 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import report  # noqa: E402
 
-from p2pfl.config import resolve  # noqa: E402
-from p2pfl.experiment import build, run  # noqa: E402
+from p2pfl.app.config import resolve  # noqa: E402
+from p2pfl.app.experiment import build, run  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 VENV = HERE / ".flwr-venv"

@@ -2,6 +2,6 @@
 
 import sys
 
-from p2pfl.cli import main
+from p2pfl.app.cli import main
 
 sys.exit(main())

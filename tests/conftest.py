@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from p2pfl.config import resolve
-from p2pfl.experiment import build, run
+from p2pfl.app.config import resolve
+from p2pfl.app.experiment import build, run
 
 ROOT = Path(__file__).resolve().parent.parent
 FMNIST_DIR = Path("/usr/share/datasets/fashion-mnist")

@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from conftest import experiment, run_experiment
-from p2pfl import batched
-from p2pfl.experiment import build
+from p2pfl.app.experiment import build
+from p2pfl.core.seeding import torch_generator
+from p2pfl.learning import batched
+from p2pfl.learning.training import TrainConfig
 from p2pfl.runtime.worker import Worker
-from p2pfl.seeding import torch_generator
-from p2pfl.training import TrainConfig
 
 CPU = torch.device("cpu")
 

@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from conftest import experiment
-from p2pfl.codec import FP16_MAX, Codec, topk_count
-from p2pfl.errors import ConfigError
-from p2pfl.wire import Message, WireError, decode, encode, frame_sizes
+from p2pfl.core.errors import ConfigError
+from p2pfl.network.codecs import FP16_MAX, Codec, topk_count
+from p2pfl.network.message import Message
+from p2pfl.network.wire import WireError, decode, encode, frame_sizes
 
 
 def round_trip(t: torch.Tensor, codec: str, fraction: float = 0.1) -> torch.Tensor:

@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from conftest import BASE, ROOT
-from p2pfl.cli import main
+from p2pfl.app.cli import main
 
 
 def write(tmp_path: Path, config: dict, name: str = "exp.yaml") -> Path:
@@ -124,7 +124,7 @@ def test_real_command_exit_code_and_no_traceback(tmp_path):
 
 
 def test_every_shipped_experiment_resolves(capsys):
-    from p2pfl.config import load_experiment
+    from p2pfl.app.sweep import load_experiment
 
     files = sorted((ROOT / "experiments").glob("*.yaml"))
     assert len(files) >= 4

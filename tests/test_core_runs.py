@@ -9,10 +9,11 @@ import pytest
 import torch
 
 from conftest import experiment, run_experiment
-from p2pfl.experiment import build
+from p2pfl.app.experiment import build
 from p2pfl.methods.dfedavgm import metropolis_weights
-from p2pfl.topology import build_topology
-from p2pfl.wire import Message, encode
+from p2pfl.network.message import Message
+from p2pfl.network.topology import build_topology
+from p2pfl.network.wire import encode
 
 
 def model_message_bytes(config) -> int:

@@ -8,13 +8,14 @@ import numpy as np
 import pytest
 import torch
 
-from p2pfl.effects import Finish, Recv, Send
-from p2pfl.errors import RunError
-from p2pfl.ledger import Ledger
+from p2pfl.core.errors import RunError
+from p2pfl.core.seeding import derive_seed
+from p2pfl.methods.effects import Finish, Recv, Send
+from p2pfl.network.ledger import Ledger
+from p2pfl.network.message import Message
+from p2pfl.network.topology import build_topology
+from p2pfl.network.wire import encode
 from p2pfl.runtime.sim import SimRuntime
-from p2pfl.seeding import derive_seed
-from p2pfl.topology import build_topology
-from p2pfl.wire import Message, encode
 
 LATENCY, BANDWIDTH = 0.25, 8.0e6  # 250 ms, 1 MB/s
 

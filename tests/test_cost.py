@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from conftest import experiment, run_experiment
-from p2pfl import cost
-from p2pfl.cli import main
-from p2pfl.errors import ConfigError
-from p2pfl.experiment import build
+from p2pfl.app import cost
+from p2pfl.app.cli import main
+from p2pfl.app.experiment import build
+from p2pfl.core.errors import ConfigError
 from p2pfl.methods import METHODS
-from p2pfl.topology import build_topology
+from p2pfl.network.topology import build_topology
 
 M = 46_200_000  # the paper's ResNet-18 message (Fig. 5)
 

@@ -15,16 +15,16 @@ import scipy.io
 import torch
 import torchvision.transforms.functional as TF
 
+from p2pfl.core.errors import ConfigError
 from p2pfl.data import (
     PARTITIONERS,
     Dataset,
     SplitOptions,
     load_dataset,
     make_federated_data,
-    save_partition,
 )
 from p2pfl.data.datasets import DEBIAN_FASHION_MNIST
-from p2pfl.errors import ConfigError
+from p2pfl.reporting.partition import save_partition
 
 # --- writers for the real on-disk formats ------------------------------------------------
 

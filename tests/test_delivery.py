@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from p2pfl.codec import Codec
-from p2pfl.wire import Message, decode, deliver, encode
+from p2pfl.network.codecs import Codec
+from p2pfl.network.message import Message
+from p2pfl.network.wire import decode, deliver, encode
 
 
 def messages() -> list[Message]:

@@ -12,15 +12,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from conftest import experiment, run_experiment
+from p2pfl.app.experiment import build
+from p2pfl.core.errors import ConfigError
 from p2pfl.data.federated import PeerData
-from p2pfl.errors import ConfigError
-from p2pfl.experiment import build
+from p2pfl.learning.state import average_states
+from p2pfl.learning.training import TrainConfig, Trainer
 from p2pfl.methods.fedelmy import FedELMY, PoolRegularizer, distance, log_scale
-from p2pfl.models import average_states
+from p2pfl.network.message import Message
+from p2pfl.network.wire import encode
 from p2pfl.runtime.sim import SimRuntime
 from p2pfl.runtime.worker import Worker
-from p2pfl.training import TrainConfig, Trainer
-from p2pfl.wire import Message, encode
 
 CPU = torch.device("cpu")
 TRAIN = {"epochs": 2, "batch_size": 32, "optimizer": "adam", "lr": 0.003, "select": "best_val"}

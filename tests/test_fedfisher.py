@@ -14,17 +14,18 @@ import torch
 from torch import nn
 
 from conftest import experiment, run_experiment
-from p2pfl import compression as cz
-from p2pfl.cost import make_plan
-from p2pfl.curvature import covered_layers, curvature, layer_info
+from p2pfl.app.cost import make_plan
+from p2pfl.app.experiment import build
 from p2pfl.data.partition import peer_dirichlet
-from p2pfl.experiment import build
+from p2pfl.learning.curvature import covered_layers, curvature, layer_info
+from p2pfl.learning.models import lenet
 from p2pfl.methods.fedfisher import FedFisher, Surrogate, descend, fedfisher
 from p2pfl.methods.fisher_merge import fisher_merge
 from p2pfl.methods.oneshot import OneShot, Upload, fedavg, local_statistics
 from p2pfl.methods.regmean import regmean
-from p2pfl.models import lenet
-from p2pfl.wire import Message, decode, encode
+from p2pfl.network import quantize as cz
+from p2pfl.network.message import Message
+from p2pfl.network.wire import decode, encode
 
 
 def tiny_mlp() -> nn.Module:

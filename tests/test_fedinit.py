@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from conftest import experiment
-from p2pfl.effects import Send, State, Train
-from p2pfl.errors import ConfigError
-from p2pfl.experiment import build, run
-from p2pfl.models import build_model
+from p2pfl.app.experiment import build, run
+from p2pfl.core.errors import ConfigError
+from p2pfl.learning.models import build_model
+from p2pfl.methods.effects import Send, State, Train
 
 SKEW = {"name": "dirichlet", "alpha": 0.3}
 MOMENTUM = {"epochs": 1, "batch_size": 32, "lr": 0.05, "momentum": 0.9}

@@ -12,10 +12,12 @@ import torch
 from torch import nn
 
 from conftest import experiment, run_experiment
+from p2pfl.app.experiment import build
+from p2pfl.core.errors import ConfigError
 from p2pfl.data.federated import PeerData
-from p2pfl.ensemble import ensemble_logits, score_ensemble
-from p2pfl.errors import ConfigError
-from p2pfl.experiment import build
+from p2pfl.learning.ensemble import ensemble_logits, score_ensemble
+from p2pfl.learning.models import build_model
+from p2pfl.learning.state import state_bytes
 from p2pfl.methods.maecho import (
     Contribution,
     Statistics,
@@ -29,8 +31,8 @@ from p2pfl.methods.maecho import (
     qp_weights,
     unpack,
 )
-from p2pfl.models import build_model, state_bytes
-from p2pfl.wire import Message, encode
+from p2pfl.network.message import Message
+from p2pfl.network.wire import encode
 
 F64 = torch.float64
 CPU = torch.device("cpu")

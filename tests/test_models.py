@@ -1,4 +1,4 @@
-"""Tests for p2pfl.models: builders, option checks, FLOP counting and state helpers."""
+"""Tests for p2pfl.learning.models: builders, option checks, FLOP counting and state helpers."""
 
 from __future__ import annotations
 
@@ -6,16 +6,9 @@ import pytest
 import torch
 from torch import nn
 
-from p2pfl.errors import ConfigError
-from p2pfl.models import (
-    MODELS,
-    Hidden,
-    average_states,
-    build_model,
-    clone_state,
-    forward_flops,
-    state_bytes,
-)
+from p2pfl.core.errors import ConfigError
+from p2pfl.learning.models import MODELS, Hidden, build_model, forward_flops
+from p2pfl.learning.state import average_states, clone_state, state_bytes
 
 DIGITS, MNIST, CIFAR = (1, 8, 8), (1, 28, 28), (3, 32, 32)
 

@@ -12,11 +12,11 @@ import torch
 from torch import Tensor, nn
 
 from conftest import experiment, run_experiment
-from p2pfl.errors import ConfigError
-from p2pfl.experiment import build, run
-from p2pfl.matching import diagonal_ratio, unit_activations
-from p2pfl.models import Hidden, build_model, hidden_units
-from p2pfl.pans import PositionEncoding
+from p2pfl.app.experiment import build, run
+from p2pfl.core.errors import ConfigError
+from p2pfl.learning.models import Hidden, build_model, hidden_units
+from p2pfl.learning.pans import PositionEncoding
+from p2pfl.reporting.matching import diagonal_ratio, unit_activations
 
 DIGITS, MNIST, CIFAR = (1, 8, 8), (1, 28, 28), (3, 32, 32)
 MUL = {"mode": "mul", "T": 1.0, "A": 0.1}

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from conftest import run_experiment
-from p2pfl import plots
-from p2pfl.cli import main
+from p2pfl.app.cli import main
+from p2pfl.reporting import plots
 
 PNG = b"\x89PNG\r\n\x1a\n"
 

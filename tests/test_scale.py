@@ -11,8 +11,8 @@ import pytest
 from torch import nn
 
 from conftest import experiment
-from p2pfl.experiment import _simulate, build
-from p2pfl.models import state_bytes
+from p2pfl.app.experiment import _simulate, build
+from p2pfl.learning.state import state_bytes
 
 
 def live_modules() -> int:

@@ -10,9 +10,10 @@ import pytest
 import torch
 import yaml
 
-from p2pfl import plots, sweep
-from p2pfl.cli import main
-from p2pfl.errors import ConfigError
+from p2pfl.app import sweep
+from p2pfl.app.cli import main
+from p2pfl.core.errors import ConfigError
+from p2pfl.reporting import plots
 
 BASE = {
     "name": "mini",

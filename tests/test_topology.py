@@ -6,10 +6,10 @@ import networkx as nx
 import pytest
 
 from conftest import ROOT
-from p2pfl.config import read_yaml
-from p2pfl.errors import ConfigError
-from p2pfl.peers import build_peers
-from p2pfl.topology import DEFAULT_LINK, Link, build_topology
+from p2pfl.core.errors import ConfigError
+from p2pfl.core.yaml_io import read_yaml
+from p2pfl.network.peers import build_peers
+from p2pfl.network.topology import DEFAULT_LINK, Link, build_topology
 
 
 def test_ring_mesh_star_shapes():

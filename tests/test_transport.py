@@ -20,13 +20,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import BASE, ROOT, experiment
-from p2pfl.config import TransportConfig
-from p2pfl.effects import Recv
-from p2pfl.ledger import Ledger
 from p2pfl.methods import METHODS
-from p2pfl.runtime.sockets import ZmqNode
-from p2pfl.topology import build_topology
-from p2pfl.wire import Message, encode
+from p2pfl.methods.effects import Recv
+from p2pfl.network.ledger import Ledger
+from p2pfl.network.message import Message
+from p2pfl.network.topology import build_topology
+from p2pfl.network.wire import encode
+from p2pfl.runtime.sockets import TransportConfig, ZmqNode
 
 TIMEOUT = 120.0  # a receive waits for its sender's compute, which is slow on a busy CI box
 

@@ -9,7 +9,8 @@ import pytest
 import torch
 from crc32c import crc32c
 
-from p2pfl.wire import DTYPES, Message, WireError, decode, encode, encode_parts
+from p2pfl.network.message import Message
+from p2pfl.network.wire import DTYPES, WireError, decode, encode, encode_parts
 
 
 def sample() -> Message:

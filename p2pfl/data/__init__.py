@@ -6,7 +6,6 @@ from p2pfl.data.federated import (
     PeerData,
     SplitOptions,
     make_federated_data,
-    save_partition,
 )
 from p2pfl.data.partition import PARTITIONERS
 
@@ -19,5 +18,4 @@ __all__ = [
     "SplitOptions",
     "load_dataset",
     "make_federated_data",
-    "save_partition",
 ]

@@ -23,8 +23,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from p2pfl.errors import ConfigError
-from p2pfl.options import Registry, bind_with_common
+from p2pfl.core.errors import ConfigError
+from p2pfl.core.options import Registry, bind_with_common
 
 DATASETS: Registry[Callable[..., Dataset]] = Registry("dataset")
 

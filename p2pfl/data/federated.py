@@ -1,23 +1,20 @@
 """Turn a dataset and a ``partition:`` section into per-peer train/validation data.
 
-torchvision and matplotlib are imported only where used, to keep ``import p2pfl`` fast.
+torchvision is imported only where used, to keep ``import p2pfl`` fast.
 """
 
 from __future__ import annotations
 
-import csv
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from p2pfl.core.errors import ConfigError
+from p2pfl.core.options import bind_with_common
 from p2pfl.data.datasets import Dataset
 from p2pfl.data.partition import PARTITIONERS, rotations
-from p2pfl.errors import ConfigError
-from p2pfl.heatmap import save_heatmap
-from p2pfl.options import bind_with_common
 
 _PARTITION_TAG = 2  # mixes into the run seed so the partition is its own random stream
 
@@ -138,25 +135,3 @@ def rotate(x: torch.Tensor, angle: float, fill: list[float]) -> torch.Tensor:
     import torchvision.transforms.functional as TF
 
     return TF.rotate(x, angle, interpolation=TF.InterpolationMode.BILINEAR, fill=fill)
-
-
-def save_partition(data: FederatedData, out_dir: Path) -> None:
-    """Write ``partition.csv`` (per-peer class counts and totals) and ``partition.png`` (a
-    peers x classes heat-map) to ``out_dir``."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    counts = data.counts
-    with (out_dir / "partition.csv").open("w", newline="") as f:
-        writer = csv.writer(f)
-        writer.writerow(["peer", *(f"class_{c}" for c in range(counts.shape[1])), "total"])
-        for i, row in enumerate(counts):
-            writer.writerow([i, *row.tolist(), int(row.sum())])
-
-    peers, classes = counts.shape
-    save_heatmap(
-        counts,
-        out_dir / "partition.png",
-        title=f"Samples per peer and class ({peers} peers, {int(counts.sum())} samples)",
-        xlabel="class",
-        ylabel="peer",
-        colorbar="samples",
-    )

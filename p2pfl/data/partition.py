@@ -17,8 +17,8 @@ from typing import Any
 
 import numpy as np
 
-from p2pfl.errors import ConfigError
-from p2pfl.options import Registry
+from p2pfl.core.errors import ConfigError
+from p2pfl.core.options import Registry
 
 Partitioner = Callable[..., list[np.ndarray]]
 Rng = np.random.Generator | np.random.RandomState  # the legacy one reproduces reference splits

@@ -1,11 +1,7 @@
 """Federated-learning methods, one module each, registered by their YAML name."""
 
-from p2pfl.options import Registry
-
-METHODS: Registry = Registry("method")
-
 # Importing a method module registers it.
-from p2pfl.methods import (  # noqa: E402, F401
+from p2pfl.methods import (  # noqa: F401
     dfedavgm,
     dfedsam,
     fedavg,
@@ -17,3 +13,6 @@ from p2pfl.methods import (  # noqa: E402, F401
     maecho,
     regmean,
 )
+from p2pfl.methods.base import METHODS
+
+__all__ = ["METHODS"]

@@ -1,7 +1,7 @@
 """The method interface: what every federated-learning method provides.
 
 A method's constructor keywords are its ``algorithm:`` YAML keys (with type hints and
-defaults). ``behaviour(ctx)`` is the generator one node runs (see :mod:`p2pfl.effects`);
+defaults). ``behaviour(ctx)`` is the generator one node runs (see :mod:`p2pfl.methods.effects`);
 the same object serves every node, so it must keep no per-node state on ``self``.
 ``transfers(plan)`` lists the messages it sends, analytically (``p2pfl cost``).
 """
@@ -12,10 +12,11 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import ClassVar
 
-from p2pfl.effects import Behaviour, State
-from p2pfl.errors import ConfigError
-from p2pfl.plan import Plan, Transfer
-from p2pfl.topology import Topology
+from p2pfl.core.errors import ConfigError
+from p2pfl.core.options import Registry
+from p2pfl.methods.effects import Behaviour, State
+from p2pfl.network.plan import Plan, Transfer
+from p2pfl.network.topology import Topology
 
 
 @dataclass(frozen=True)
@@ -71,5 +72,8 @@ class Method:
 
     def transfers(self, plan: Plan) -> Iterable[Transfer]:
         """Every message the method sends on ``plan.topology``, analytically (the formula of
-        its cost, see :mod:`p2pfl.plan`); ``check`` has passed."""
+        its cost, see :mod:`p2pfl.network.plan`); ``check`` has passed."""
         raise NotImplementedError(f"{self.name} has no analytic cost description")
+
+
+METHODS: Registry[type[Method]] = Registry("method")

@@ -15,14 +15,13 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from p2pfl.effects import Behaviour, Evaluate, Finish, Recv, Send, State, Train
-from p2pfl.errors import ConfigError
-from p2pfl.methods import METHODS
-from p2pfl.methods.base import Method, NodeContext
+from p2pfl.core.errors import ConfigError
+from p2pfl.learning.state import average_states
+from p2pfl.methods.base import METHODS, Method, NodeContext
+from p2pfl.methods.effects import Behaviour, Evaluate, Finish, Recv, Send, State, Train
 from p2pfl.methods.relaxed import local_round, parse_relaxed_init
-from p2pfl.models import average_states
-from p2pfl.plan import Plan, Transfer
-from p2pfl.topology import Topology
+from p2pfl.network.plan import Plan, Transfer
+from p2pfl.network.topology import Topology
 
 
 def metropolis_weights(topology: Topology, node: int) -> dict[int, float]:
@@ -36,8 +35,6 @@ def metropolis_weights(topology: Topology, node: int) -> dict[int, float]:
 @METHODS.register("dfedavgm")
 class DFedAvgM(Method):
     """Local momentum SGD, then one gossip-averaging step with the neighbours, per round."""
-
-    name = "dfedavgm"
 
     def __init__(self, *, rounds: int = 20, relaxed_init: dict | None = None) -> None:
         if rounds < 1:

@@ -17,21 +17,19 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Literal
 
-from p2pfl.effects import Behaviour, Evaluate, Finish, Recv, Send, State, Train
-from p2pfl.errors import ConfigError
-from p2pfl.methods import METHODS
-from p2pfl.methods.base import Method, NodeContext
+from p2pfl.core.errors import ConfigError
+from p2pfl.core.seeding import numpy_rng
+from p2pfl.learning.state import average_states
+from p2pfl.methods.base import METHODS, Method, NodeContext
+from p2pfl.methods.effects import Behaviour, Evaluate, Finish, Recv, Send, State, Train
 from p2pfl.methods.relaxed import local_round, parse_relaxed_init
-from p2pfl.models import average_states
-from p2pfl.plan import Plan, Transfer
-from p2pfl.seeding import numpy_rng
+from p2pfl.network.plan import Plan, Transfer
 
 
 @METHODS.register("fedavg")
 class FedAvg(Method):
     """Server-side averaging of locally trained models, with partial participation."""
 
-    name = "fedavg"
     topologies = ("star",)
 
     def __init__(

@@ -32,8 +32,11 @@ from typing import Literal
 import torch
 from torch import Tensor, nn
 
+from p2pfl.core.errors import ConfigError
 from p2pfl.data.federated import PeerData
-from p2pfl.effects import (
+from p2pfl.learning.state import average_states
+from p2pfl.methods.base import METHODS, NodeContext
+from p2pfl.methods.effects import (
     Artifact,
     Behaviour,
     Compute,
@@ -46,13 +49,9 @@ from p2pfl.effects import (
     State,
     Train,
 )
-from p2pfl.errors import ConfigError
-from p2pfl.methods import METHODS
-from p2pfl.methods.base import NodeContext
 from p2pfl.methods.fedseq import FedSeq
-from p2pfl.models import average_states
-from p2pfl.plan import Plan, Transfer
-from p2pfl.topology import Topology
+from p2pfl.network.plan import Plan, Transfer
+from p2pfl.network.topology import Topology
 
 Dist = Literal["l2sq", "l2", "l1", "cosine"]
 L2_EPS = 1e-12
@@ -183,8 +182,6 @@ def pool_distances(pool: list[State], module: nn.Module, data: PeerData, device:
 @METHODS.register("fedelmy")
 class FedELMY(FedSeq):
     """FedSeq's chain, where each peer trains a diverse pool and forwards its mean."""
-
-    name = "fedelmy"
 
     def __init__(
         self,

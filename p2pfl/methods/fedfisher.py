@@ -1,7 +1,7 @@
 """FedFisher (Jhunjhunwala, Wang, Joshi, AISTATS 2024): one-shot Fisher-weighted aggregation.
 
 Each peer trains once, computes the true Fisher F̂_i of its final model w_i on its own data
-(``fisher: diag`` or ``kfac``, :mod:`p2pfl.curvature`) and uploads (w_i, F̂_i, n_i) once.
+(``fisher: diag`` or ``kfac``, :mod:`p2pfl.learning.curvature`) and uploads (w_i, F̂_i, n_i) once.
 The aggregator minimizes the Laplace surrogate Φ(θ) = ½ Σ_i p_i (θ − w_i)^T F̂_i (θ − w_i)
 from the one-shot FedAvg point w̄ = Σ p_i w_i (spec §2.4), whose gradient is
 
@@ -27,10 +27,10 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from p2pfl.curvature import as_matrix, from_matrix
-from p2pfl.effects import State
-from p2pfl.errors import ConfigError
-from p2pfl.methods import METHODS
+from p2pfl.core.errors import ConfigError
+from p2pfl.learning.curvature import as_matrix, from_matrix
+from p2pfl.methods.base import METHODS
+from p2pfl.methods.effects import State
 from p2pfl.methods.oneshot import OneShot, Upload, fedavg, shares
 
 Blocks = dict[str, Tensor]
@@ -181,8 +181,6 @@ def fedfisher(
 @METHODS.register("fedfisher")
 class FedFisher(OneShot):
     """One-shot Fisher-weighted aggregation, diagonal or K-FAC."""
-
-    name = "fedfisher"
 
     def __init__(
         self,

@@ -10,9 +10,9 @@ from typing import Literal
 import torch
 from torch import nn
 
-from p2pfl.effects import Regularizer, State, Train
-from p2pfl.errors import ConfigError
-from p2pfl.methods import METHODS
+from p2pfl.core.errors import ConfigError
+from p2pfl.methods.base import METHODS
+from p2pfl.methods.effects import Regularizer, State, Train
 from p2pfl.methods.fedavg import FedAvg
 
 
@@ -30,8 +30,6 @@ def proximal(anchor: State, mu: float) -> Regularizer:
 
 @METHODS.register("fedprox")
 class FedProx(FedAvg):
-    name = "fedprox"
-
     def __init__(
         self,
         *,

@@ -10,20 +10,17 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Literal
 
-from p2pfl.effects import Behaviour, Evaluate, Finish, Recv, Send, State, Train
-from p2pfl.errors import ConfigError
-from p2pfl.methods import METHODS
-from p2pfl.methods.base import Method, NodeContext
-from p2pfl.plan import Plan, Transfer
-from p2pfl.seeding import numpy_rng
-from p2pfl.topology import Topology
+from p2pfl.core.errors import ConfigError
+from p2pfl.core.seeding import numpy_rng
+from p2pfl.methods.base import METHODS, Method, NodeContext
+from p2pfl.methods.effects import Behaviour, Evaluate, Finish, Recv, Send, State, Train
+from p2pfl.network.plan import Plan, Transfer
+from p2pfl.network.topology import Topology
 
 
 @METHODS.register("fedseq")
 class FedSeq(Method):
     """Sequential training along a chain of peers (one or more cycles)."""
-
-    name = "fedseq"
 
     def __init__(self, *, cycles: int = 1, order: Literal["index", "random"] = "index") -> None:
         if cycles < 1:

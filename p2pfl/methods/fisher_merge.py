@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from p2pfl.effects import State
-from p2pfl.methods import METHODS
+from p2pfl.methods.base import METHODS
+from p2pfl.methods.effects import State
 from p2pfl.methods.oneshot import OneShot, Upload, fedavg, shares
 
 FLOOR = 1e-6
@@ -39,7 +39,6 @@ def fisher_merge(uploads: list[Upload], floor: float = FLOOR) -> State:
 class FisherMerge(OneShot):
     """Diagonal-Fisher weighted average of the local models, in one shot."""
 
-    name = "fisher_merge"
     needs = ("diag",)
 
     def candidates(self, uploads: list[Upload]) -> list[State]:

@@ -34,16 +34,25 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from p2pfl.core.errors import ConfigError
+from p2pfl.core.seeding import derive_seed
 from p2pfl.data.federated import PeerData
-from p2pfl.effects import Behaviour, Compute, Evaluate, Finish, Recv, Report, Send, State, Train
-from p2pfl.errors import ConfigError
-from p2pfl.methods import METHODS
-from p2pfl.methods.base import Method, NodeContext
-from p2pfl.models import average_states
-from p2pfl.plan import Plan, Transfer
-from p2pfl.seeding import derive_seed
-from p2pfl.topology import Topology
-from p2pfl.wire import Message
+from p2pfl.learning.state import average_states
+from p2pfl.methods.base import METHODS, Method, NodeContext
+from p2pfl.methods.effects import (
+    Behaviour,
+    Compute,
+    Evaluate,
+    Finish,
+    Recv,
+    Report,
+    Send,
+    State,
+    Train,
+)
+from p2pfl.network.message import Message
+from p2pfl.network.plan import Plan, Transfer
+from p2pfl.network.topology import Topology
 
 CONV_STRIDE = 2
 """Stride of the patches a conv layer's batch-mean input map is cut into (no padding), [C]."""
@@ -349,8 +358,6 @@ def aggregate(
 @METHODS.register("maecho")
 class MAEcho(Method):
     """One-shot aggregation with null-space projection matrices (star or full mesh)."""
-
-    name = "maecho"
 
     def __init__(
         self,

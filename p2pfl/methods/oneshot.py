@@ -1,7 +1,7 @@
 """One-shot aggregation from uploaded models and curvature statistics (FedFisher spec §1–3).
 
 Every peer trains once from the shared init, computes the statistics its aggregator needs
-(:mod:`p2pfl.curvature`) on its own training data, and sends, once, its model (a ``model``
+(:mod:`p2pfl.learning.curvature`) on its own training data, and sends, once, its model (a ``model``
 message with its sample count) and one ``statistics`` message per kind of statistic
 (``diag``, ``kfac``, ``gram``). A method is a *merge*: what it needs and the candidate
 models it builds from the uploads. This base class is itself the one-shot FedAvg merge
@@ -32,10 +32,12 @@ from typing import Any, ClassVar, Literal
 import torch
 from torch import Tensor, nn
 
-from p2pfl import compression as cz
-from p2pfl.curvature import LayerInfo, covered_layers, curvature, layer_info
+from p2pfl.core.errors import ConfigError
 from p2pfl.data.federated import PeerData
-from p2pfl.effects import (
+from p2pfl.learning.curvature import LayerInfo, covered_layers, curvature, layer_info
+from p2pfl.learning.state import average_states
+from p2pfl.methods.base import METHODS, Method, NodeContext
+from p2pfl.methods.effects import (
     Behaviour,
     Compute,
     Evaluate,
@@ -47,13 +49,10 @@ from p2pfl.effects import (
     State,
     Train,
 )
-from p2pfl.errors import ConfigError
-from p2pfl.methods import METHODS
-from p2pfl.methods.base import Method, NodeContext
-from p2pfl.models import average_states
-from p2pfl.plan import Plan, Transfer
-from p2pfl.topology import Topology
-from p2pfl.wire import Message, Meta
+from p2pfl.network import quantize as cz
+from p2pfl.network.message import Message, Meta
+from p2pfl.network.plan import Plan, Transfer
+from p2pfl.network.topology import Topology
 
 BASELINES = ("fedavg", "fisher_merge", "regmean", "fedfisher_diag", "fedfisher_kfac")
 MODEL_BITS = 16

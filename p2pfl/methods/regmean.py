@@ -19,11 +19,11 @@ from typing import Literal
 
 import torch
 
-from p2pfl.effects import State
-from p2pfl.errors import ConfigError
-from p2pfl.methods import METHODS
+from p2pfl.core.errors import ConfigError
+from p2pfl.learning.state import average_states
+from p2pfl.methods.base import METHODS
+from p2pfl.methods.effects import State
 from p2pfl.methods.oneshot import OneShot, Upload, shares
-from p2pfl.models import average_states
 
 
 def regmean(uploads: list[Upload], offdiag: float) -> State:
@@ -47,7 +47,6 @@ def regmean(uploads: list[Upload], offdiag: float) -> State:
 class RegMean(OneShot):
     """Per-layer closed-form regression merge from the peers' input Grams, in one shot."""
 
-    name = "regmean"
     needs = ("gram",)
 
     def __init__(

@@ -19,9 +19,9 @@ from collections.abc import Callable, Collection, Generator
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from p2pfl.effects import Effect, State, Train
-from p2pfl.errors import ConfigError
-from p2pfl.options import bind
+from p2pfl.core.errors import ConfigError
+from p2pfl.core.options import bind
+from p2pfl.methods.effects import Effect, State, Train
 
 
 @dataclass(frozen=True)

@@ -23,22 +23,21 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import zmq
 
-from p2pfl.codec import from_section
-from p2pfl.config import TransportConfig
-from p2pfl.effects import Finish
-from p2pfl.errors import ConfigError, RunError
-from p2pfl.ledger import Ledger
-from p2pfl.metrics import MetricsLog
-from p2pfl.runtime.sockets import ZmqNode
+from p2pfl.core.errors import ConfigError, RunError
+from p2pfl.core.yaml_io import read_yaml
+from p2pfl.methods.effects import Finish
+from p2pfl.network.codecs import from_section
+from p2pfl.network.ledger import Ledger
+from p2pfl.network.message import Message
+from p2pfl.network.wire import decode, encode
+from p2pfl.reporting.metrics import MetricsLog
+from p2pfl.runtime.setup import Setup
+from p2pfl.runtime.sockets import TransportConfig, ZmqNode
 from p2pfl.runtime.worker import Worker
-from p2pfl.wire import Message, decode, encode
-
-if TYPE_CHECKING:  # experiment imports this module
-    from p2pfl.experiment import Setup
 
 
 @dataclass
@@ -64,8 +63,6 @@ def node_id(setup: Setup, name: str) -> int:
 
 def read_addresses(path: Path, setup: Setup) -> dict[int, str]:
     """An addresses file: a YAML mapping from node names to ``tcp://host:port``."""
-    from p2pfl.config import read_yaml
-
     table = read_yaml(path, "addresses file")
     out = {node_id(setup, str(k)): v for k, v in table.items()}
     missing = [setup.topology.name(n) for n in setup.topology.graph.nodes if n not in out]

@@ -6,8 +6,8 @@ sees never depends on network timing: the simulated and the socket runtime agree
 
 from __future__ import annotations
 
-from p2pfl.effects import Recv
-from p2pfl.wire import Message
+from p2pfl.methods.effects import Recv
+from p2pfl.network.message import Message
 
 
 def matches(recv: Recv, msg: Message) -> bool:

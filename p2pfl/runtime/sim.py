@@ -25,15 +25,16 @@ from typing import Any
 
 import simpy
 
-from p2pfl.codec import Compression
-from p2pfl.effects import Behaviour, Finish, Recv, Send, Train
-from p2pfl.errors import RunError
-from p2pfl.ledger import Ledger
-from p2pfl.runtime.batching import TrainBatcher
+from p2pfl.core.errors import RunError
+from p2pfl.methods.effects import Behaviour, Finish, Recv, Send, Train
+from p2pfl.network.codecs import Compression
+from p2pfl.network.ledger import Ledger
+from p2pfl.network.message import Message
+from p2pfl.network.topology import Link, Topology
+from p2pfl.network.wire import deliver
 from p2pfl.runtime.mailbox import describe, matches, take
+from p2pfl.runtime.train_batcher import TrainBatcher
 from p2pfl.runtime.worker import Worker
-from p2pfl.topology import Link, Topology
-from p2pfl.wire import Message, deliver
 
 
 class SimRuntime:

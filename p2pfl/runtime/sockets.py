@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,17 +22,33 @@ import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
-from p2pfl.codec import Compression
-from p2pfl.config import TransportConfig
-from p2pfl.effects import Behaviour, Finish, Recv, Send
-from p2pfl.errors import ConfigError, RunError
-from p2pfl.ledger import Ledger
+from p2pfl.core.errors import ConfigError, RunError
+from p2pfl.methods.effects import Behaviour, Finish, Recv, Send
+from p2pfl.network.codecs import Compression
+from p2pfl.network.ledger import Ledger
+from p2pfl.network.message import Message
+from p2pfl.network.topology import Topology
+from p2pfl.network.wire import WireError, decode, encode_parts
 from p2pfl.runtime.mailbox import describe, take
 from p2pfl.runtime.worker import Worker
-from p2pfl.topology import Topology
-from p2pfl.wire import Message, WireError, decode, encode_parts
 
 log = logging.getLogger("p2pfl.transport")
+
+
+@dataclass(frozen=True)
+class TransportConfig:
+    """The ``transport:`` section: how real (ZeroMQ) runs behave; ignored in simulation."""
+
+    timeout_s: float = 60.0
+    startup_timeout_s: float = 120.0
+    max_message_bytes: int = 1 << 30
+    host: str = "127.0.0.1"
+    curve_keys: str | None = None
+
+    def __post_init__(self) -> None:
+        for key in ("timeout_s", "startup_timeout_s", "max_message_bytes"):
+            if getattr(self, key) <= 0:
+                raise ConfigError(key, "must be > 0")
 
 
 class CurveKeys:

@@ -14,16 +14,16 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from p2pfl import batched
+from p2pfl.core.seeding import torch_generator
 from p2pfl.data.federated import FederatedData
-from p2pfl.effects import Artifact, Compute, Effect, Evaluate, Log, Report, Train
-from p2pfl.ensemble import score_ensemble
-from p2pfl.heatmap import save_heatmap, save_matrix_csv
-from p2pfl.metrics import MetricsLog
-from p2pfl.peers import Population
-from p2pfl.seeding import torch_generator
-from p2pfl.topology import Topology
-from p2pfl.training import TrainConfig, Trainer, TrainResult, resolve_device, work
+from p2pfl.learning import batched
+from p2pfl.learning.ensemble import score_ensemble
+from p2pfl.learning.training import TrainConfig, Trainer, TrainResult, resolve_device, work
+from p2pfl.methods.effects import Artifact, Compute, Effect, Evaluate, Log, Report, Train
+from p2pfl.network.peers import Population
+from p2pfl.network.topology import Topology
+from p2pfl.reporting.heatmap import save_heatmap, save_matrix_csv
+from p2pfl.reporting.metrics import MetricsLog
 
 
 class Worker:

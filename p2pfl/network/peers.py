@@ -11,10 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from p2pfl.errors import ConfigError
-from p2pfl.options import bind
-from p2pfl.seeding import numpy_rng
-from p2pfl.topology import DEFAULT_LINK, Link, make_link
+from p2pfl.core.errors import ConfigError
+from p2pfl.core.options import bind
+from p2pfl.core.seeding import numpy_rng
+from p2pfl.network.topology import DEFAULT_LINK, Link, make_link
 
 DEVICES = ("cpu", "cuda", "auto")
 

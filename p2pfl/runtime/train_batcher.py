@@ -17,9 +17,9 @@ from typing import Any
 
 import simpy
 
-from p2pfl.effects import Train
+from p2pfl.learning.training import TrainResult
+from p2pfl.methods.effects import Train
 from p2pfl.runtime.worker import Worker
-from p2pfl.training import TrainResult
 
 
 @dataclass

@@ -15,7 +15,7 @@ Cell ``i`` runs in ``OUT/KEY=LABEL,KEY=LABEL,...``; it is resumable: a cell whos
 again. At the end the sweep writes ``cells.csv`` (one row per cell), ``sweep.csv`` (one
 row per combination of the non-seed keys: mean ± sample std over its runs of final
 accuracy, total bytes and simulated time), prints that table, and draws its figures
-(:mod:`p2pfl.plots`).
+(:mod:`p2pfl.reporting.plots`).
 """
 
 from __future__ import annotations
@@ -33,9 +33,9 @@ from typing import Any
 
 import yaml
 
-from p2pfl.config import SECTIONS, apply_set, read_experiment, resolve
-from p2pfl.errors import ConfigError, RunError
-from p2pfl.experiment import build, run
+from p2pfl.app.config import SECTIONS, apply_set, read_experiment, resolve
+from p2pfl.app.experiment import build, run
+from p2pfl.core.errors import ConfigError, RunError
 
 SHORTHAND = {"topology": "kind"}
 """The key a string value of a section stands for (``name`` for the other sections)."""
@@ -236,7 +236,7 @@ def run_sweep(
 ) -> int:
     """Run every cell of the grid under ``out``; write the tables and figures. Returns the
     exit code: 1 if a cell's run failed, else 0."""
-    from p2pfl import plots
+    from p2pfl.reporting import plots
 
     todo = cells(raw, grid, file)
     out.mkdir(parents=True, exist_ok=True)
@@ -257,3 +257,17 @@ def run_sweep(
         plots.plot_runs([out], out)
     print(f"wrote {out / 'sweep.csv'} and figures in {out}")
     return 1 if any(r["status"] == "failed" for r in rows) else 0
+
+
+def load_experiment(
+    path: str | Path, sets: Sequence[str] = (), seed: int | None = None
+) -> dict[str, Any]:
+    """Read, override and resolve an experiment file (a sweep file as its base, once every
+    cell has resolved); errors carry the file name."""
+    file = Path(path)
+    raw = read_experiment(file, sets, seed)
+    try:
+        return base_config(raw, file) if "sweep" in raw else resolve(raw, file)
+    except ConfigError as e:
+        e.file = e.file or str(file)
+        raise

@@ -11,7 +11,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from p2pfl.errors import ConfigError, RunError
+from p2pfl.core.errors import ConfigError, RunError
 
 
 class _Parser(argparse.ArgumentParser):
@@ -78,8 +78,8 @@ def _experiment_args(p: argparse.ArgumentParser) -> None:
 
 def _setup(args: argparse.Namespace):
     """Load, override and build the experiment (config errors name the file)."""
-    from p2pfl.config import load_experiment
-    from p2pfl.experiment import build
+    from p2pfl.app.experiment import build
+    from p2pfl.app.sweep import load_experiment
 
     config = load_experiment(args.experiment, args.sets, args.seed)
     try:
@@ -90,8 +90,8 @@ def _setup(args: argparse.Namespace):
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from p2pfl.experiment import run
-    from p2pfl.sweep import load, run_sweep
+    from p2pfl.app.experiment import run
+    from p2pfl.app.sweep import load, run_sweep
 
     raw, grid = load(args.experiment, args.sets, args.seed)
     if grid:
@@ -134,7 +134,8 @@ def cmd_keys(args: argparse.Namespace) -> int:
 
 
 def cmd_cost(args: argparse.Namespace) -> int:
-    from p2pfl import cost, plots
+    from p2pfl.app import cost
+    from p2pfl.reporting import plots
 
     if args.peers is not None:
         args.sets.append(f"peers.count={args.peers}")
@@ -155,7 +156,7 @@ def cmd_cost(args: argparse.Namespace) -> int:
 
 
 def cmd_plot(args: argparse.Namespace) -> int:
-    from p2pfl.plots import plot_runs
+    from p2pfl.reporting.plots import plot_runs
 
     paths = [Path(r) for r in args.runs]
     written = plot_runs(paths, Path(args.out) if args.out else paths[0] / "plots")

@@ -6,7 +6,7 @@ the behaviour sends, so the bytes come from the wire format itself (:func:`wire.
 and compression is accounted for. Payloads whose values do not matter (statistics, stacked
 candidates) may be given as tensors on the ``meta`` device: sizes read shapes only.
 
-``phase`` orders the plan in time for the communication-time model of :mod:`p2pfl.cost`:
+``phase`` orders the plan in time for the communication-time model of :mod:`p2pfl.app.cost`:
 messages of one phase are sent together, and a phase starts when the previous one has
 arrived.
 """
@@ -18,10 +18,10 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from p2pfl.codec import Compression
-from p2pfl.effects import State
-from p2pfl.topology import Topology
-from p2pfl.wire import Message, Meta, frame_sizes
+from p2pfl.network.codecs import Compression
+from p2pfl.network.message import Message, Meta, Tensors
+from p2pfl.network.topology import Topology
+from p2pfl.network.wire import frame_sizes
 
 
 @dataclass(frozen=True)
@@ -48,7 +48,7 @@ class Plan:
 
     topology: Topology
     seed: int
-    state: State
+    state: Tensors
     module: nn.Module
     num_train: list[int]
     num_val: list[int]
@@ -56,7 +56,7 @@ class Plan:
     model_bytes: int | None = None
     _sizes: dict[tuple, int] = field(default_factory=dict, repr=False)
 
-    def size(self, kind: str, tensors: State, meta: Meta | None = None) -> int:
+    def size(self, kind: str, tensors: Tensors, meta: Meta | None = None) -> int:
         """Bytes of one message with these tensors and meta (cached by shapes and meta)."""
         meta = meta or {}
         key = (
@@ -80,7 +80,7 @@ class Plan:
         kind: str,
         round: int,
         phase: int,
-        tensors: State | None = None,
+        tensors: Tensors | None = None,
         meta: Meta | None = None,
     ) -> Transfer:
         """The transfer of one message (no tensors: a control message with only ``meta``)."""

@@ -12,8 +12,8 @@ from typing import Any
 
 import networkx as nx
 
-from p2pfl.errors import ConfigError
-from p2pfl.options import Registry, bind
+from p2pfl.core.errors import ConfigError
+from p2pfl.core.options import Registry, bind
 
 
 @dataclass(frozen=True)

@@ -21,11 +21,9 @@ import torch
 from torch import nn
 
 from p2pfl.data.federated import PeerData
-from p2pfl.wire import Meta
-
-State = dict[str, torch.Tensor]
-# Extra loss term: ``regularizer(module, ce)`` is added to the cross-entropy ``ce``.
-Regularizer = Callable[[nn.Module, torch.Tensor], torch.Tensor]
+from p2pfl.learning.state import State
+from p2pfl.learning.training import Regularizer
+from p2pfl.network.message import Meta
 
 
 @dataclass(frozen=True)

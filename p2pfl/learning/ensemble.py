@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from p2pfl.effects import State
+from p2pfl.learning.state import State
 
 
 @torch.no_grad()

@@ -1,6 +1,6 @@
 """``p2pfl cost``: the analytic communication cost of methods × topologies (docs/cost.md).
 
-For each method and topology the method's analytic plan (``transfers``, :mod:`p2pfl.plan`)
+For each method and topology the method's analytic plan (``transfers``, :mod:`p2pfl.network.plan`)
 lists every message with its real size; this module sums it into one row: messages,
 bytes by kind, bytes sent and received per peer and by the server, bytes per link, total
 bytes, rounds, and the communication time under the experiment's links:
@@ -23,18 +23,18 @@ from typing import Any
 import torch
 import yaml
 
-from p2pfl.codec import from_section
-from p2pfl.config import parse_yaml
-from p2pfl.errors import ConfigError
-from p2pfl.experiment import Setup
+from p2pfl.core.errors import ConfigError
+from p2pfl.core.options import bind
+from p2pfl.core.seeding import derive_seed
+from p2pfl.core.yaml_io import parse_yaml
 from p2pfl.methods import METHODS
 from p2pfl.methods.base import Method
-from p2pfl.methods.reference import COST_ONLY
-from p2pfl.options import bind
-from p2pfl.plan import Plan, Transfer
-from p2pfl.seeding import derive_seed
-from p2pfl.topology import Topology, build_topology
-from p2pfl.wire import KINDS
+from p2pfl.methods.cost_only import COST_ONLY
+from p2pfl.network.codecs import from_section
+from p2pfl.network.message import KINDS
+from p2pfl.network.plan import Plan, Transfer
+from p2pfl.network.topology import Topology, build_topology
+from p2pfl.runtime.setup import Setup
 
 COLUMNS = [
     "method", "topology", "status", "note", "rounds", "messages", "total_bytes",
@@ -83,9 +83,9 @@ def make_method(name: str, keys: dict[str, Any], algorithm: dict[str, Any]) -> M
     if name in METHODS:
         cls = METHODS.get(name)
     elif name in COST_ONLY:
-        cls = COST_ONLY[name]
+        cls = COST_ONLY.get(name)
     else:
-        known = ", ".join(sorted([*METHODS.names(), *COST_ONLY]))
+        known = ", ".join(sorted([*METHODS.names(), *COST_ONLY.names()]))
         raise ConfigError("--methods", f"unknown method {name!r}; choose from {known}")
     try:
         return cls(**bind(cls, keys))

@@ -7,6 +7,7 @@ as a CPU ``state_dict`` between its turns, and is loaded into the template for a
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -14,11 +15,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from p2pfl.core.errors import ConfigError
+from p2pfl.core.options import bind
 from p2pfl.data.federated import PeerData
-from p2pfl.effects import Regularizer, State
-from p2pfl.errors import ConfigError
-from p2pfl.models import build_model, clone_state, forward_flops
-from p2pfl.options import bind
+from p2pfl.learning.models import build_model, forward_flops
+from p2pfl.learning.state import State, clone_state
+
+# Extra loss term: ``regularizer(module, ce)`` is added to the cross-entropy ``ce``.
+Regularizer = Callable[[nn.Module, torch.Tensor], torch.Tensor]
 
 
 @dataclass(frozen=True)

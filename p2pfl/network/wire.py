@@ -8,7 +8,7 @@ Frame layout (all integers little-endian)::
     tensor bytes, back to back
 
 A tensor entry names the tensor's own dtype and shape. With ``codec`` (``fp16``, ``int8``
-or ``topk`` with its count ``k``) its bytes are the codec's packing (:mod:`p2pfl.codec`),
+or ``topk`` with its count ``k``) its bytes are the codec's packing (:mod:`p2pfl.network.codecs`),
 chosen per message kind by ``encode``'s ``compression``; decoding restores dtype and shape.
 
 The fields that change from message to message (sender, receiver, round, checksum) have
@@ -26,18 +26,16 @@ import math
 import struct
 import warnings
 from collections.abc import Iterator
-from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 from crc32c import crc32c
 
-from p2pfl import codec
-from p2pfl.codec import Compression
+from p2pfl.network import codecs as codec
+from p2pfl.network.codecs import Compression
+from p2pfl.network.message import KINDS, Message
 
 MAGIC = b"P2PF"
 VERSION = 1
-KINDS = ("model", "statistics", "control")
 MAX_SCHEMA_BYTES = 1 << 20
 MAX_FRAME_BYTES = 1 << 32
 DTYPES: dict[str, torch.dtype] = {
@@ -54,20 +52,7 @@ DTYPES: dict[str, torch.dtype] = {
 _NAMES = {v: k for k, v in DTYPES.items()}
 _PREFIX = struct.Struct("<4sBBHiiiII")
 
-Meta = dict[str, Any]
 Buffer = bytes | bytearray | memoryview
-
-
-@dataclass
-class Message:
-    """One message: ``kind`` is model, statistics or control; ``tensors`` maps names to tensors."""
-
-    kind: str
-    src: int
-    dst: int
-    round: int
-    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
-    meta: Meta = field(default_factory=dict)
 
 
 class WireError(ValueError):
@@ -163,7 +148,7 @@ def encode_parts(msg: Message, compression: Compression | None = None) -> list[m
 
     The tensor buffers are views of the tensors (no copy), so a socket can send them as
     one multipart message with zero copies. ``compression`` maps message kinds to codecs;
-    the floating tensors of a listed kind are packed by its codec (see :mod:`p2pfl.codec`).
+    the floating tensors of a listed kind are packed by its codec (see :mod:`p2pfl.network.codecs`).
     """
     head, packing = _layout(msg, compression)
     arrays = [

@@ -10,17 +10,19 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Literal
 
-from p2pfl.effects import Behaviour
+from p2pfl.core.options import Registry
 from p2pfl.methods.base import Method, NodeContext
+from p2pfl.methods.effects import Behaviour
 from p2pfl.methods.fedseq import FedSeq
-from p2pfl.plan import Plan, Transfer
+from p2pfl.network.plan import Plan, Transfer
+
+COST_ONLY: Registry[type[Method]] = Registry("cost-only method")
 
 
+@COST_ONLY.register("metafed")
 class MetaFed(FedSeq):
     """MetaFed (Chen et al., TNNLS 2023): cyclic knowledge distillation along a ring, an
     accumulation pass then a personalization pass, i.e. FedSeq's chain twice: (2N − 1)·M."""
-
-    name = "metafed"
 
     def __init__(self, *, order: Literal["index", "random"] = "index") -> None:
         super().__init__(cycles=2, order=order)
@@ -43,16 +45,11 @@ class ServerUpload(Method):
             yield plan.send(p, plan.topology.server, "model", 1, 1, plan.state)
 
 
+@COST_ONLY.register("dense")
 class Dense(ServerUpload):
     """DENSE (Zhang et al., NeurIPS 2022): data-free distillation of the uploaded ensemble."""
 
-    name = "dense"
 
-
+@COST_ONLY.register("fedov")
 class FedOV(ServerUpload):
     """FedOV (Diao, Li, He, ICLR 2023): open-set classifiers ensembled by voting."""
-
-    name = "fedov"
-
-
-COST_ONLY: dict[str, type[Method]] = {c.name: c for c in (MetaFed, Dense, FedOV)}

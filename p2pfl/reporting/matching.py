@@ -25,12 +25,12 @@ import torch
 from scipy.optimize import linear_sum_assignment
 from torch import Tensor, nn
 
+from p2pfl.core.errors import ConfigError
+from p2pfl.core.seeding import numpy_rng, torch_generator
 from p2pfl.data.federated import FederatedData
-from p2pfl.effects import State
-from p2pfl.errors import ConfigError
-from p2pfl.models import hidden_units
-from p2pfl.seeding import numpy_rng, torch_generator
-from p2pfl.training import TrainConfig, Trainer
+from p2pfl.learning.models import hidden_units
+from p2pfl.learning.state import State
+from p2pfl.learning.training import TrainConfig, Trainer
 
 
 @dataclass(frozen=True)
@@ -58,7 +58,7 @@ def check(cfg: MatchingConfig, model: nn.Module, num_peers: int) -> None:
 @torch.no_grad()
 def unit_activations(model: nn.Module, x: Tensor) -> dict[str, Tensor]:
     """Each hidden layer's activations on ``x`` as a [units, samples] matrix, by layer name
-    (:func:`p2pfl.models.hidden_units`); conv maps are reduced by their spatial maximum.
+    (:func:`p2pfl.learning.models.hidden_units`); conv maps are reduced by their spatial maximum.
     The hooks are added after the model's position-encoding hooks, so they see encoded
     pre-activations."""
     out: dict[str, Tensor] = {}

@@ -15,7 +15,7 @@ import typing
 from collections.abc import Callable, Iterator
 from typing import Any, Generic, Literal, TypeVar, get_args, get_origin, get_type_hints
 
-from p2pfl.errors import ConfigError
+from p2pfl.core.errors import ConfigError
 
 T = TypeVar("T", bound=Callable[..., Any])
 
@@ -142,7 +142,11 @@ def bind_with_common(
 
 
 class Registry(Generic[T]):
-    """Named components of one kind (``"dataset"``, ``"model"``, ...)."""
+    """Named components of one kind (``"dataset"``, ``"model"``, ...), open to plug-ins.
+
+    ``@REGISTRY.register("name")`` adds a function or class under its YAML name and, for a
+    class, sets its ``name`` attribute, so the name is written once.
+    """
 
     def __init__(self, kind: str) -> None:
         self.kind = kind
@@ -151,7 +155,10 @@ class Registry(Generic[T]):
     def register(self, name: str) -> Callable[[T], T]:
         def deco(fn: T) -> T:
             if name in self._items:
-                raise ValueError(f"{self.kind} {name!r} registered twice")
+                where = getattr(self._items[name], "__module__", "?")
+                raise ConfigError("", f"{self.kind} {name!r} is already registered (by {where})")
+            if inspect.isclass(fn):
+                fn.name = name  # type: ignore[attr-defined]
             self._items[name] = fn
             return fn
 

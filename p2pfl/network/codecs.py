@@ -1,7 +1,7 @@
 """Message compression at the wire: how a floating tensor travels under a kind's codec.
 
 The experiment's ``compression:`` section gives one :class:`Codec` per message kind. At
-:func:`p2pfl.wire.encode` every floating tensor of a message of that kind is packed by the
+:func:`p2pfl.network.wire.encode` every floating tensor of a message of that kind is packed by the
 codec, and its schema entry records how (``"codec"``, plus ``"k"`` for top-k); decoding
 rebuilds a tensor of the original dtype and shape. Integer and bool tensors (BatchNorm
 counters, label masks, codes that are already quantized) always travel raw, and so does a
@@ -13,7 +13,7 @@ Codecs and their round-trip error for a tensor x (x̂ = decode(encode(x))):
 - ``fp16``: IEEE half precision, values first clamped to ±65504 (the largest half).
   |x̂ᵢ − xᵢ| ≤ 2⁻¹¹·|xᵢ| where |xᵢ| ≥ 2⁻¹⁴, and ≤ 2⁻²⁵ below (half subnormals). 2 bytes each.
 - ``int8``: symmetric per-tensor quantization, s = max|x| (float32), codes
-  round(127·x/s) (:func:`p2pfl.compression.quantize`). |x̂ᵢ − xᵢ| ≤ s/254 (half a step),
+  round(127·x/s) (:func:`p2pfl.network.quantize.quantize`). |x̂ᵢ − xᵢ| ≤ s/254 (half a step),
   plus float32 rounding. 4 + n bytes. A tensor with inf or NaN is an error.
 - ``topk``: the k = ⌈fraction·n⌉ entries of largest magnitude (ties: the lower index)
   with their flat indices (int32, int64 beyond 2³¹ entries); the rest become 0. Kept
@@ -30,9 +30,10 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from p2pfl import compression as cz
-from p2pfl.errors import ConfigError
-from p2pfl.options import bind
+from p2pfl.core.errors import ConfigError
+from p2pfl.core.options import bind
+from p2pfl.network import quantize as cz
+from p2pfl.network.message import KINDS
 
 FP16_MAX = 65504.0
 INT8_LEVELS = 127
@@ -57,7 +58,6 @@ Compression = dict[str, Codec]
 
 def resolve_section(options: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """Check the ``compression:`` section; return it with every listed kind's defaults."""
-    from p2pfl.wire import KINDS  # wire imports this module
 
     out = {}
     for kind, keys in options.items():

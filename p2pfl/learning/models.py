@@ -2,13 +2,13 @@
 
 A model builder is ``fn(input_shape, num_classes, *, <keys>) -> nn.Module`` registered in
 :data:`MODELS`; its keyword arguments are the keys of the YAML ``model:`` section (see
-:mod:`p2pfl.options`). Builders create their modules on the CPU, where model state lives
+:mod:`p2pfl.core.options`). Builders create their modules on the CPU, where model state lives
 between a peer's turns.
 
 The small models (``mlp``, ``lenet``, ``cnn3``, ``cnn_s``) are built from :class:`Hidden`
 layers, so every hidden non-linearity sits in one place per layer (``Hidden.act``), after
 the layer and its normalisation. Every builder also takes the ``pans`` key: position-aware
-neurons (:mod:`p2pfl.pans`), a fixed encoding on the output of each hidden layer's
+neurons (:mod:`p2pfl.learning.pans`), a fixed encoding on the output of each hidden layer's
 normalisation, right before its activation (:func:`hidden_units` lists those points; the
 output layer is a bare ``nn.Linear`` and never gets one).
 """
@@ -24,9 +24,9 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
-from p2pfl.errors import ConfigError
-from p2pfl.options import Registry, bind, bind_with_common
-from p2pfl.pans import Pans, encode
+from p2pfl.core.errors import ConfigError
+from p2pfl.core.options import Registry, bind, bind_with_common
+from p2pfl.learning.pans import Pans, encode
 
 InputShape = tuple[int, int, int]
 """(channels, height, width) of one sample."""
@@ -322,52 +322,3 @@ def forward_flops(model: nn.Module, input_shape: InputShape) -> int:
         for handle in handles:
             handle.remove()
     return total
-
-
-def state_bytes(state: dict[str, Tensor]) -> int:
-    """Raw size of a state dict: Σ numel · element_size (what a message carries)."""
-    return sum(t.numel() * t.element_size() for t in state.values())
-
-
-def clone_state(state: dict[str, Tensor]) -> dict[str, Tensor]:
-    """Detached CPU copies of every tensor, safe to keep while the model trains on."""
-    return {k: v.detach().to("cpu", copy=True) for k, v in state.items()}
-
-
-def average_states(
-    states: list[dict[str, Tensor]], weights: list[float] | None = None
-) -> dict[str, Tensor]:
-    """Weighted mean of state dicts with identical keys, shapes and dtypes.
-
-    Weights default to uniform and are normalised here. Floating tensors are accumulated in
-    float64 and cast back to their dtype, so averaging identical states returns them bit for
-    bit. Integer tensors (BatchNorm ``num_batches_tracked``) get the rounded weighted mean.
-    """
-    if not states:
-        raise ValueError("average_states needs at least one state")
-    if weights is None:
-        weights = [1.0] * len(states)
-    if len(weights) != len(states):
-        raise ValueError(f"{len(weights)} weights for {len(states)} states")
-    if any(w < 0 for w in weights) or sum(weights) <= 0:
-        raise ValueError(f"weights must be non-negative with a positive sum, got {weights}")
-    total = float(sum(weights))
-    shares = [w / total for w in weights]
-    ref = states[0]
-    for i, state in enumerate(states[1:], 1):
-        if state.keys() != ref.keys():
-            diff = sorted(set(state) ^ set(ref))
-            raise ValueError(f"state {i} has different keys than state 0: {diff}")
-        for k, v in state.items():
-            if v.shape != ref[k].shape or v.dtype != ref[k].dtype:
-                raise ValueError(
-                    f"state {i} {k!r}: {v.dtype}{list(v.shape)}, "
-                    f"state 0 has {ref[k].dtype}{list(ref[k].shape)}"
-                )
-    out: dict[str, Tensor] = {}
-    for k, v in ref.items():
-        acc = torch.zeros(v.shape, dtype=torch.float64, device=v.device)
-        for share, state in zip(shares, states, strict=True):
-            acc.add_(state[k].to(torch.float64), alpha=share)
-        out[k] = acc.to(v.dtype) if v.is_floating_point() else acc.round().to(v.dtype)
-    return out

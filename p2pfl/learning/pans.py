@@ -17,7 +17,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
-from p2pfl.errors import ConfigError
+from p2pfl.core.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -79,7 +79,7 @@ def _encode_output(module: nn.Module, inputs: Any, output: Tensor) -> Tensor:
 
 def encode(units: Iterable[tuple[nn.Module, int]], pans: Pans) -> None:
     """Put a :class:`PositionEncoding` on the output of each ``(module, width)`` of
-    ``units``, a model's hidden pre-activation points (:func:`p2pfl.models.hidden_units`).
+    ``units``, a model's hidden pre-activation points (:func:`p2pfl.learning.models.hidden_units`).
 
     Each becomes a child ``pan`` of the module, applied by a forward hook: the builders'
     modules (torchvision's ResNet blocks included) and their state-dict keys stay exactly

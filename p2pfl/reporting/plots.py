@@ -33,10 +33,10 @@ from matplotlib.colors import Normalize
 from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator, NullFormatter
 
-from p2pfl.errors import ConfigError
-from p2pfl.heatmap import save_heatmap
-from p2pfl.seeding import derive_seed
-from p2pfl.topology import Topology, build_topology
+from p2pfl.core.errors import ConfigError
+from p2pfl.core.seeding import derive_seed
+from p2pfl.network.topology import Topology, build_topology
+from p2pfl.reporting.heatmap import save_heatmap
 
 FORMATS = ("png", "svg")
 LINES = ("-", "--", ":", "-.")  # line i gets style i, so identical curves stay visible

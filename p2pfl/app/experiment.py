@@ -9,32 +9,31 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import yaml
 
-from p2pfl import matching
-from p2pfl.codec import from_section
-from p2pfl.config import EvalConfig
+from p2pfl.core.errors import ConfigError, RunError
+from p2pfl.core.seeding import derive_seed
 from p2pfl.data.datasets import load_dataset
-from p2pfl.data.federated import FederatedData, make_federated_data, save_partition
-from p2pfl.effects import Finish, State
-from p2pfl.errors import ConfigError, RunError
-from p2pfl.ledger import Ledger
+from p2pfl.data.federated import make_federated_data
+from p2pfl.learning.state import average_states
+from p2pfl.learning.training import TrainConfig, Trainer, resolve_device
 from p2pfl.methods import METHODS
-from p2pfl.methods.base import Method, NodeContext
-from p2pfl.metrics import MetricsLog
-from p2pfl.models import average_states
-from p2pfl.peers import Population, build_peers
+from p2pfl.methods.effects import Finish, State
+from p2pfl.network.codecs import from_section
+from p2pfl.network.ledger import Ledger
+from p2pfl.network.peers import build_peers
+from p2pfl.network.topology import Topology, build_topology
+from p2pfl.reporting import matching
+from p2pfl.reporting.metrics import MetricsLog
+from p2pfl.reporting.partition import save_partition
 from p2pfl.runtime.launcher import launch
+from p2pfl.runtime.setup import EvalConfig, Setup
 from p2pfl.runtime.sim import SimRuntime
 from p2pfl.runtime.worker import Worker
-from p2pfl.seeding import derive_seed
-from p2pfl.topology import Topology, build_topology
-from p2pfl.training import TrainConfig, Trainer, resolve_device
 
 
 def _within(prefix: str, fn: Any, *args: Any) -> Any:
@@ -43,42 +42,6 @@ def _within(prefix: str, fn: Any, *args: Any) -> Any:
         return fn(*args)
     except ConfigError as e:
         raise e.within(prefix) from None
-
-
-@dataclass
-class Setup:
-    """Everything a runtime needs, built from a resolved config."""
-
-    config: dict[str, Any]
-    method: Method
-    population: Population
-    topology: Topology
-    trainer: Trainer
-    data: FederatedData
-    train: TrainConfig
-    eval: EvalConfig
-
-    @property
-    def seed(self) -> int:
-        return self.config["seed"]
-
-    def contexts(self) -> dict[int, NodeContext]:
-        init_seed = derive_seed(self.seed, "init")
-        params = self.trainer.module(torch.device("cpu")).named_parameters()
-        trainable = frozenset(name for name, _ in params)
-        return {
-            node: NodeContext(
-                node=node,
-                topology=self.topology,
-                num_samples=self.data.peers[node].num_train
-                if node < self.topology.num_peers
-                else 0,
-                seed=self.seed,
-                init_state=lambda: self.trainer.init_state(init_seed),
-                trainable=trainable,
-            )
-            for node in self.topology.graph.nodes
-        }
 
 
 def build(config: dict[str, Any]) -> Setup:

@@ -1,6 +1,6 @@
 """Batched local training: many peers' SGD runs of one MLP as grouped matrix products.
 
-The per-peer loop (:meth:`p2pfl.training.Trainer.train`) pays Python, autograd, allocation
+The per-peer loop (:meth:`p2pfl.learning.training.Trainer.train`) pays Python, autograd, allocation
 and optimizer overhead once per peer and step; for an MLP that is most of the work. Here
 the peers' weights are stacked along a leading peer axis, ``[peers, out, in]``, and one
 step of every peer is a handful of batched products (``torch.baddbmm``): the forward pass,
@@ -13,8 +13,8 @@ is averaged over its own size, and peers with less data stop earlier (peers are 
 data size, so the peers still training at a step are a prefix of the stack). Results agree
 with the loop to float rounding (sums run in another order), not bit for bit.
 
-Supported (:func:`mlp_layers`, :func:`supports`): a ``p2pfl.models.mlp`` (Linear layers with
-ReLU between), SGD with momentum and weight decay, ``select: last``, no regulariser.
+Supported (:func:`mlp_layers`, :func:`supports`): a ``p2pfl.learning.models.mlp`` (Linear
+layers with ReLU between), SGD with momentum and weight decay, ``select: last``, no regulariser.
 """
 
 from __future__ import annotations
@@ -28,9 +28,9 @@ import torch
 from torch import nn
 
 from p2pfl.data.federated import PeerData
-from p2pfl.effects import Regularizer, State
-from p2pfl.models import Hidden
-from p2pfl.training import TrainConfig, TrainResult, work
+from p2pfl.learning.models import Hidden
+from p2pfl.learning.state import State
+from p2pfl.learning.training import Regularizer, TrainConfig, TrainResult, work
 
 MAX_GROUP = 128
 """Peers per batched call: bounds the stacked weights and momenta held at once."""

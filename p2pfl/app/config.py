@@ -1,7 +1,7 @@
 """Experiment files: load the YAML, apply ``--set``/``--seed``, check every key, fill defaults.
 
 Every section is checked against the signature of the component it configures (see
-:mod:`p2pfl.options`), before any data is loaded, so a typo fails in milliseconds with
+:mod:`p2pfl.core.options`), before any data is loaded, so a typo fails in milliseconds with
 ``error: FILE: key.path: what is wrong``. The resolved mapping (all defaults filled in) is
 what a run writes to ``config.yaml``.
 """
@@ -9,25 +9,26 @@ what a run writes to ``config.yaml``.
 from __future__ import annotations
 
 import copy
-import re
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from p2pfl.codec import resolve_section as resolve_compression
+from p2pfl.core.errors import ConfigError
+from p2pfl.core.options import bind, bind_with_common
+from p2pfl.core.yaml_io import parse_yaml, read_yaml
 from p2pfl.data.datasets import DATASETS, take_subsets
 from p2pfl.data.federated import SplitOptions
 from p2pfl.data.partition import PARTITIONERS
-from p2pfl.errors import ConfigError
-from p2pfl.matching import MatchingConfig
+from p2pfl.learning.models import resolve_model
+from p2pfl.learning.training import TrainConfig
 from p2pfl.methods import METHODS
-from p2pfl.models import resolve_model
-from p2pfl.options import bind, bind_with_common
-from p2pfl.peers import population
-from p2pfl.training import TrainConfig
+from p2pfl.network.codecs import resolve_section as resolve_compression
+from p2pfl.network.peers import population
+from p2pfl.runtime.setup import EvalConfig
+from p2pfl.runtime.sockets import TransportConfig
 
 SECTIONS = (
     "name", "seed", "dataset", "partition", "model", "topology", "peers", "algorithm", "train",
@@ -44,79 +45,6 @@ DEFAULTS: dict[str, Any] = {
     "compression": {},
 }
 REQUIRED = ("topology", "peers", "algorithm")
-
-
-class _Loader(yaml.SafeLoader):
-    """YAML 1.1 reads ``1e9`` (no dot, no exponent sign) as a string; accept it as a number."""
-
-
-_Loader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(
-        r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)(?:[eE][-+]?[0-9]+)?$"
-        r"|^[-+]?\.(?:inf|Inf|INF)$|^\.(?:nan|NaN|NAN)$"
-    ),
-    list("-+0123456789."),
-)
-
-
-def parse_yaml(text: str) -> Any:
-    return yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
-
-
-@dataclass(frozen=True)
-class EvalConfig:
-    """The ``eval:`` section: how often the global test set is scored, and the optional
-    neuron-matching measure after the run (:mod:`p2pfl.matching`)."""
-
-    every: int = 1
-    per_peer: bool = True
-    matching: dict | None = None
-
-    def __post_init__(self) -> None:
-        if self.every < 1:
-            raise ConfigError("every", "must be >= 1")
-        if self.matching is not None:
-            try:
-                keys = asdict(MatchingConfig(**bind(MatchingConfig, self.matching)))
-            except ConfigError as e:
-                raise e.within("matching") from None
-            object.__setattr__(self, "matching", keys)  # stored with its defaults filled in
-
-
-@dataclass(frozen=True)
-class TransportConfig:
-    """The ``transport:`` section: how real (ZeroMQ) runs behave; ignored in simulation."""
-
-    timeout_s: float = 60.0
-    startup_timeout_s: float = 120.0
-    max_message_bytes: int = 1 << 30
-    host: str = "127.0.0.1"
-    curve_keys: str | None = None
-
-    def __post_init__(self) -> None:
-        for key in ("timeout_s", "startup_timeout_s", "max_message_bytes"):
-            if getattr(self, key) <= 0:
-                raise ConfigError(key, "must be > 0")
-
-
-def read_yaml(path: Path, what: str = "file") -> dict[str, Any]:
-    """Read a YAML mapping; a missing or malformed file is a ``ConfigError`` naming it."""
-    if not path.is_file():
-        raise ConfigError("", f"no such {what}", file=str(path))
-    try:
-        data = parse_yaml(path.read_text())
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" at line {mark.line + 1}" if mark else ""
-        raise ConfigError(
-            "", f"not valid YAML{where}: {getattr(e, 'problem', e)}", str(path)
-        ) from None
-    if data is None:
-        data = {}
-    if not isinstance(data, dict):
-        raise ConfigError("", "must be a YAML mapping of keys", file=str(path))
-    return data
 
 
 def apply_set(config: dict[str, Any], assignment: str) -> None:
@@ -225,23 +153,6 @@ def read_experiment(
         if seed is not None:
             raw["seed"] = seed
         return raw
-    except ConfigError as e:
-        e.file = e.file or str(file)
-        raise
-
-
-def load_experiment(
-    path: str | Path, sets: Sequence[str] = (), seed: int | None = None
-) -> dict[str, Any]:
-    """Read, override and resolve an experiment file; errors carry the file name."""
-    file = Path(path)
-    raw = read_experiment(file, sets, seed)
-    try:
-        if "sweep" in raw:
-            from p2pfl.sweep import base_config  # it imports this module
-
-            return base_config(raw, file)
-        return resolve(raw, file)
     except ConfigError as e:
         e.file = e.file or str(file)
         raise

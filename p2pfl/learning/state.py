@@ -1,0 +1,56 @@
+"""Model states (torch's ``state_dict`` contract: names to tensors) and their arithmetic."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+State = dict[str, Tensor]
+"""A model's (or any message's) named tensors, as ``nn.Module.state_dict()`` returns them."""
+
+
+def state_bytes(state: State) -> int:
+    """Raw size of a state dict: Σ numel · element_size (what a message carries)."""
+    return sum(t.numel() * t.element_size() for t in state.values())
+
+
+def clone_state(state: State) -> State:
+    """Detached CPU copies of every tensor, safe to keep while the model trains on."""
+    return {k: v.detach().to("cpu", copy=True) for k, v in state.items()}
+
+
+def average_states(states: list[State], weights: list[float] | None = None) -> State:
+    """Weighted mean of state dicts with identical keys, shapes and dtypes.
+
+    Weights default to uniform and are normalised here. Floating tensors are accumulated in
+    float64 and cast back to their dtype, so averaging identical states returns them bit for
+    bit. Integer tensors (BatchNorm ``num_batches_tracked``) get the rounded weighted mean.
+    """
+    if not states:
+        raise ValueError("average_states needs at least one state")
+    if weights is None:
+        weights = [1.0] * len(states)
+    if len(weights) != len(states):
+        raise ValueError(f"{len(weights)} weights for {len(states)} states")
+    if any(w < 0 for w in weights) or sum(weights) <= 0:
+        raise ValueError(f"weights must be non-negative with a positive sum, got {weights}")
+    total = float(sum(weights))
+    shares = [w / total for w in weights]
+    ref = states[0]
+    for i, state in enumerate(states[1:], 1):
+        if state.keys() != ref.keys():
+            diff = sorted(set(state) ^ set(ref))
+            raise ValueError(f"state {i} has different keys than state 0: {diff}")
+        for k, v in state.items():
+            if v.shape != ref[k].shape or v.dtype != ref[k].dtype:
+                raise ValueError(
+                    f"state {i} {k!r}: {v.dtype}{list(v.shape)}, "
+                    f"state 0 has {ref[k].dtype}{list(ref[k].shape)}"
+                )
+    out: State = {}
+    for k, v in ref.items():
+        acc = torch.zeros(v.shape, dtype=torch.float64, device=v.device)
+        for share, state in zip(shares, states, strict=True):
+            acc.add_(state[k].to(torch.float64), alpha=share)
+        out[k] = acc.to(v.dtype) if v.is_floating_point() else acc.round().to(v.dtype)
+    return out

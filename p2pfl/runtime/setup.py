@@ -1,0 +1,74 @@
+"""What a runtime is handed: every part of an experiment, built from its resolved config."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from p2pfl.core.errors import ConfigError
+from p2pfl.core.options import bind
+from p2pfl.core.seeding import derive_seed
+from p2pfl.data.federated import FederatedData
+from p2pfl.learning.training import TrainConfig, Trainer
+from p2pfl.methods.base import Method, NodeContext
+from p2pfl.network.peers import Population
+from p2pfl.network.topology import Topology
+from p2pfl.reporting.matching import MatchingConfig
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """The ``eval:`` section: how often the global test set is scored, and the optional
+    neuron-matching measure after the run (:mod:`p2pfl.reporting.matching`)."""
+
+    every: int = 1
+    per_peer: bool = True
+    matching: dict | None = None
+
+    def __post_init__(self) -> None:
+        if self.every < 1:
+            raise ConfigError("every", "must be >= 1")
+        if self.matching is not None:
+            try:
+                keys = asdict(MatchingConfig(**bind(MatchingConfig, self.matching)))
+            except ConfigError as e:
+                raise e.within("matching") from None
+            object.__setattr__(self, "matching", keys)  # stored with its defaults filled in
+
+
+@dataclass
+class Setup:
+    """Everything a runtime needs, built from a resolved config."""
+
+    config: dict[str, Any]
+    method: Method
+    population: Population
+    topology: Topology
+    trainer: Trainer
+    data: FederatedData
+    train: TrainConfig
+    eval: EvalConfig
+
+    @property
+    def seed(self) -> int:
+        return self.config["seed"]
+
+    def contexts(self) -> dict[int, NodeContext]:
+        init_seed = derive_seed(self.seed, "init")
+        params = self.trainer.module(torch.device("cpu")).named_parameters()
+        trainable = frozenset(name for name, _ in params)
+        return {
+            node: NodeContext(
+                node=node,
+                topology=self.topology,
+                num_samples=self.data.peers[node].num_train
+                if node < self.topology.num_peers
+                else 0,
+                seed=self.seed,
+                init_state=lambda: self.trainer.init_state(init_seed),
+                trainable=trainable,
+            )
+            for node in self.topology.graph.nodes
+        }

@@ -1,0 +1,39 @@
+"""The package's shape: imports only go down the layers, and no module imports itself back.
+
+The layers are declared once, in ``pyproject.toml`` (``[tool.importlinter]``); this test runs
+that contract and looks for import cycles between any two modules, so a cycle added back
+fails the suite, not only ``make lint``.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import grimp
+import networkx as nx
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_layers_contract_is_kept() -> None:
+    lint = Path(sys.executable).with_name("lint-imports")
+    proc = subprocess.run([str(lint)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "0 broken" in proc.stdout
+
+
+def import_cycles(package: str = "p2pfl") -> list[list[str]]:
+    """Every set of modules that import each other, directly or through others (a package's
+    ``__init__`` counts as a module)."""
+    graph = grimp.build_graph(package, cache_dir=None)
+    g = nx.DiGraph()
+    for module in graph.modules:
+        for imported in graph.find_modules_directly_imported_by(module):
+            g.add_edge(module, imported)
+    return [sorted(c) for c in nx.strongly_connected_components(g) if len(c) > 1]
+
+
+def test_no_import_cycles() -> None:
+    assert import_cycles() == []
