@@ -99,7 +99,7 @@ def main() -> None:
 
     setup = flower_job.job()
     init = setup.trainer.init_state(derive_seed(setup.seed, "init"))
-    keys, rounds = list(init), setup.method.num_rounds
+    keys, rounds = list(init), setup.method.rounds
     final: dict[str, float] = {}
 
     def evaluate(server_round: int, parameters: list[np.ndarray], config: dict):

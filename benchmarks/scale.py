@@ -64,6 +64,7 @@ def child(method: str, peers: int, rounds: int) -> dict:
     from p2pfl.app.config import resolve
     from p2pfl.app.experiment import _simulate, build
     from p2pfl.learning.state import state_bytes
+    from p2pfl.reporting.reporters import open_reporters
 
     torch.set_num_threads(1)
     config = copy.deepcopy(CONFIG)
@@ -76,7 +77,9 @@ def child(method: str, peers: int, rounds: int) -> dict:
     before = rss_bytes()
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as out:
-        finals, _, clock, _ = _simulate(setup, Path(out), progress=False)
+        reporters = open_reporters(Path(out))
+        finals, _, clock, _ = _simulate(setup, Path(out), False, reporters)
+        reporters.close()
     wall = time.perf_counter() - start
     gc.collect()
     held = rss_bytes()

@@ -4,19 +4,25 @@ pass-through of integer tensors, bad frames rejected, and the ``compression:`` s
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import pytest
 import torch
 
 from conftest import experiment
 from p2pfl.core.errors import ConfigError
-from p2pfl.network.codecs import FP16_MAX, Codec, topk_count
+from p2pfl.network.codecs import CODECS, FP16_MAX, Codec, TopK, from_section, topk_count
 from p2pfl.network.message import Message
 from p2pfl.network.wire import WireError, decode, encode, frame_sizes
 
 
+def make(codec: str, fraction: float = 0.1) -> Codec:
+    """A registered codec by name (top-k keeping ``fraction`` of the entries)."""
+    return TopK(fraction) if codec == "topk" else CODECS.get(codec)()
+
+
 def round_trip(t: torch.Tensor, codec: str, fraction: float = 0.1) -> torch.Tensor:
-    frame = encode(Message("model", 0, 1, 1, {"x": t}), {"model": Codec(codec, fraction)})
+    frame = encode(Message("model", 0, 1, 1, {"x": t}), {"model": make(codec, fraction)})
     out = decode(frame).tensors["x"]
     assert out.dtype == t.dtype and out.shape == t.shape
     return out
@@ -53,6 +59,14 @@ def test_int8_error_is_half_a_step(t):
     assert (err <= scale / 254 + float32_rounding).all()
 
 
+@pytest.mark.parametrize("t", samples(), ids=range(5))
+def test_int16_error_is_half_a_step(t):
+    scale = t.double().abs().max()
+    err = (round_trip(t, "int16").double() - t.double()).abs()
+    float32_rounding = t.double().abs() * 2**-23
+    assert (err <= scale / 65534 + float32_rounding).all()
+
+
 def test_int8_rejects_non_finite_values():
     with pytest.raises(ValueError, match="inf or NaN"):
         round_trip(torch.tensor([1.0, float("inf"), 2.0, 3.0, 4.0, 5.0]), "int8")
@@ -75,7 +89,7 @@ def test_a_codec_that_would_not_shrink_a_tensor_leaves_it_raw():
     t = torch.randn(100)
     assert torch.equal(round_trip(t, "topk", 0.5), t)  # 50·(4 + 4) bytes is not < 400
     msg = Message("model", 0, 1, 1, {"x": t})
-    assert len(encode(msg, {"model": Codec("topk", 0.5)})) == len(encode(msg))
+    assert len(encode(msg, {"model": TopK(0.5)})) == len(encode(msg))
 
 
 def test_topk_breaks_ties_by_the_lower_index():
@@ -99,12 +113,13 @@ STATE = {
         ("none", 4 * 1024 + 8 * 64 + 4),
         ("fp16", 2 * 1024 + 2 * 64 + 2),
         ("int8", (4 + 1024) + (4 + 64) + 4),  # "one" stays raw: 4 + 1 bytes is not < 4
+        ("int16", (4 + 2 * 1024) + (4 + 2 * 64) + 4),
         ("topk", math.ceil(0.1 * 1024) * 8 + math.ceil(0.1 * 64) * 12 + 4),
     ],
 )
 def test_frame_sizes_are_exact_and_integer_tensors_travel_raw(codec, floating_bytes):
     msg = Message("model", 0, 1, 1, STATE)
-    compression = {"model": Codec(codec, 0.1)}
+    compression = {"model": make(codec)}
     frame = encode(msg, compression)
     head, body = frame_sizes(msg, compression)
     assert head + body == len(frame)
@@ -117,7 +132,7 @@ def test_frame_sizes_are_exact_and_integer_tensors_travel_raw(codec, floating_by
 
 
 def test_codecs_apply_only_to_their_kind():
-    compression = {"statistics": Codec("int8")}
+    compression = {"statistics": make("int8")}
     model = Message("model", 0, 1, 1, STATE)
     assert len(encode(model, compression)) == len(encode(model))
     stats = Message("statistics", 0, 1, 1, STATE)
@@ -132,8 +147,8 @@ def corrupt_entry(frame: bytearray, old: bytes, new: bytes) -> bytes:
 
 def test_bad_codec_entries_are_rejected():
     t = {"x": torch.randn(100)}
-    topk = encode(Message("model", 0, 1, 1, t), {"model": Codec("topk", 0.1)})
-    int8 = encode(Message("model", 0, 1, 1, t), {"model": Codec("int8")})
+    topk = encode(Message("model", 0, 1, 1, t), {"model": make("topk")})
+    int8 = encode(Message("model", 0, 1, 1, t), {"model": make("int8")})
     cases = {
         "codec 'int9'": corrupt_entry(int8, b'"int8"', b'"int9"'),
         "topk count": corrupt_entry(topk, b'"k":10', b'"k":-1'),
@@ -151,7 +166,7 @@ def test_bad_codec_entries_are_rejected():
 def test_the_compression_section_is_checked():
     config = experiment(compression={"model": {"codec": "int8"}, "statistics": {"codec": "topk"}})
     assert config["compression"] == {
-        "model": {"codec": "int8", "fraction": 0.01},
+        "model": {"codec": "int8"},
         "statistics": {"codec": "topk", "fraction": 0.01},
     }
     assert experiment()["compression"] == {}
@@ -160,8 +175,41 @@ def test_the_compression_section_is_checked():
         ({"model": {"codec": "int4"}}, "compression.model.codec", "must be one of"),
         ({"model": {"codec": "topk", "fraction": 0}}, "compression.model.fraction", "(0, 1]"),
         ({"model": "int8"}, "compression.model", "must be a mapping"),
+        ({"model": {"codec": "int8", "fraction": 0.1}}, "compression.model.fraction", "unknown"),
     ]
     for section, key, message in bad:
         with pytest.raises(ConfigError, match=message.replace("(", r"\(")) as e:
             experiment(compression=section)
         assert e.value.key == key
+
+
+@CODECS.register("test_halves")
+@dataclass(frozen=True)
+class Halves(Codec):
+    """A plug-in codec with a key of its own: every value times ``factor`` as float16."""
+
+    factor: float = 0.5
+
+    def fields(self, numel: int, dtype: torch.dtype) -> dict:
+        return {"factor": self.factor}
+
+    def packed_size(self, entry: dict, numel: int, dtype: torch.dtype) -> int:
+        return 2 * numel
+
+    def pack(self, flat: torch.Tensor, entry: dict) -> torch.Tensor:
+        return (flat * entry["factor"]).to(torch.float16).view(torch.uint8)
+
+    def unpack(self, raw: torch.Tensor, entry: dict, numel: int, dtype) -> torch.Tensor:
+        return raw.clone().view(torch.float16).to(dtype)
+
+
+def test_a_registered_codec_is_named_in_the_section_with_its_own_keys():
+    config = experiment(compression={"model": {"codec": "test_halves", "factor": 0.25}})
+    assert config["compression"] == {"model": {"codec": "test_halves", "factor": 0.25}}
+    compression = from_section(config["compression"])
+    t = torch.tensor([4.0, -8.0, 1.0])
+    frame = encode(Message("model", 0, 1, 1, {"x": t}), compression)
+    assert decode(frame).tensors["x"].tolist() == [1.0, -2.0, 0.25]  # the receiver's entry
+    with pytest.raises(ConfigError, match="valid keys are: codec, factor") as e:
+        experiment(compression={"model": {"codec": "test_halves", "fraction": 0.1}})
+    assert e.value.key == "compression.model.fraction"

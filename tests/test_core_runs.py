@@ -9,8 +9,11 @@ import pytest
 import torch
 
 from conftest import experiment, run_experiment
-from p2pfl.app.experiment import build
+from p2pfl.app.experiment import build, run
+from p2pfl.core.errors import RunError
+from p2pfl.methods.base import Method, NodeContext
 from p2pfl.methods.dfedavgm import metropolis_weights
+from p2pfl.methods.effects import Behaviour, Recv
 from p2pfl.network.message import Message
 from p2pfl.network.topology import build_topology
 from p2pfl.network.wire import encode
@@ -154,3 +157,24 @@ def test_label_skew_hurts_fedavg_on_digits(tmp_path):
     iid = run_experiment(tmp_path / "iid", **common)
     skew = run_experiment(tmp_path / "skew", partition={"name": "disjoint"}, **common)
     assert iid["final"]["accuracy"] > skew["final"]["accuracy"] + 0.05
+
+
+class _Stuck(Method):
+    """Every peer waits for a message nobody sends: the run deadlocks at once."""
+
+    def total_rounds(self, num_peers: int) -> int:
+        return 1
+
+    def behaviour(self, ctx: NodeContext) -> Behaviour:
+        yield Recv(kinds=("model",), round=1)
+
+
+def test_a_deadlock_names_its_time_once(tmp_path):
+    setup = build(experiment(topology={"kind": "ring"}, algorithm={"name": "dfedavgm"}))
+    setup.method = _Stuck()
+    with pytest.raises(RunError) as e:
+        run(setup, tmp_path)
+    assert str(e.value).startswith("run failed: at t=0.000s: deadlock: 0 waits for 1 model")
+    assert str(e.value).count("at t=") == 1
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["error"].count("at t=") == 1

@@ -359,7 +359,7 @@ def test_partition_seed_fixes_the_split_across_run_seeds(digits: Dataset) -> Non
 
 
 def test_partition_seed_reproduces_the_fedfisher_reference_split() -> None:
-    """specs/fedfisher.md §4: the reference seeds numpy's global RNG with 3, draws one
+    """The FedFisher authors' code seeds numpy's global RNG with 3, draws one
     Dir(alpha) class mix per client, then per class shuffles that class's indices and cuts
     them by q_ik / sum_j q_jk, then shuffles each client's list."""
     labels = np.random.default_rng(1).integers(0, 10, 3000)

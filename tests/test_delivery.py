@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from p2pfl.network.codecs import Codec
+from p2pfl.network.codecs import Int8, TopK
 from p2pfl.network.message import Message
 from p2pfl.network.wire import decode, deliver, encode
 
@@ -31,9 +31,7 @@ def messages() -> list[Message]:
     ]  # fmt: skip
 
 
-@pytest.mark.parametrize(
-    "compression", [None, {"model": Codec("int8")}, {"statistics": Codec("topk", 0.5)}]
-)
+@pytest.mark.parametrize("compression", [None, {"model": Int8()}, {"statistics": TopK(0.5)}])
 @pytest.mark.parametrize("msg", messages(), ids=["model", "statistics", "control"])
 def test_delivery_equals_decoding_the_frame(msg, compression):
     frame = encode(msg, compression)

@@ -1,4 +1,5 @@
-"""FedELMY (specs/fedelmy.md §8) and the DFedSAM baseline, on the built-in digits data."""
+"""FedELMY (Algs. 1–3 of the paper; docs/fedelmy.md) and the DFedSAM baseline, on the built-in
+digits data."""
 
 from __future__ import annotations
 
@@ -382,6 +383,7 @@ def test_dfedsam_is_one_shot_dfedavgm_with_sam_local_steps(tmp_path, spy):
     run_experiment(tmp_path / "avg", **sections, algorithm={"name": "dfedavgm"} | rounds)
     local = [result.state for _, _, result in spy["trains"]]
     assert not any(same_state(a, b) for a, b in zip(sam_local, local, strict=True))
-    # One-shot DFedAvgM on a mesh (spec §3): every peer holds the uniform average.
+    # One-shot DFedAvgM on a mesh (FedELMY's App. A protocol): every peer holds the uniform
+    # average.
     for n in range(4):
         torch.testing.assert_close(spy["finals"][n].state, average_states(local), rtol=0, atol=1e-6)

@@ -1,5 +1,5 @@
-"""FedFisher, Fisher merging and RegMean: the spec's exactness checks (specs/fedfisher.md §8),
-byte accounting, and short end-to-end runs on the digits data."""
+"""FedFisher, Fisher merging and RegMean: exact cases (Prop. 2, Lemma 1, linear regression),
+byte accounting (App. C), and short end-to-end runs on the digits data (docs/fedfisher.md)."""
 
 from __future__ import annotations
 
@@ -21,11 +21,12 @@ from p2pfl.learning.curvature import covered_layers, curvature, layer_info
 from p2pfl.learning.models import lenet
 from p2pfl.methods.fedfisher import FedFisher, Surrogate, descend, fedfisher
 from p2pfl.methods.fisher_merge import fisher_merge
-from p2pfl.methods.oneshot import OneShot, Upload, fedavg, local_statistics
+from p2pfl.methods.oneshot import OneShot, Upload, fedavg, lowrank
+from p2pfl.methods.oneshot.statistics import local_statistics
 from p2pfl.methods.regmean import regmean
-from p2pfl.network import quantize as cz
+from p2pfl.network.codecs import Int16, choose, dequantize, quantize
 from p2pfl.network.message import Message
-from p2pfl.network.wire import decode, encode
+from p2pfl.network.wire import decode, encode, frame_sizes
 
 
 def tiny_mlp() -> nn.Module:
@@ -305,28 +306,29 @@ def test_fisher_merge_floor_falls_back_to_fedavg(float64) -> None:
 # --- compression and bytes (§1, §8.7) --------------------------------------------------------
 
 
-def test_codecs_round_trip() -> None:
+def test_codes_round_trip() -> None:
     torch.manual_seed(10)
     t = torch.randn(37, 5)
-    codes, scale = cz.quantize(t, 16)
-    raw = cz.int16_bytes(codes)
-    assert raw.dtype == torch.uint8 and raw.numel() == 2 * t.numel()
-    back = cz.dequantize(cz.int16_from_bytes(raw, t.shape), scale, 16)
+    frame = encode(Message("model", 0, 1, 1, {"t": t}), {"model": Int16()})
+    assert frame_sizes(Message("model", 0, 1, 1, {"t": t}), {"model": Int16()})[1] == 4 + 2 * 185
+    back = decode(frame).tensors["t"]
+    codes, scale = quantize(t, 16)
+    assert torch.equal(back, dequantize(codes, scale, 16))  # the codec is this arithmetic
     assert (back - t).abs().max() <= scale / (2 * 32767) + 1e-7
     signed = torch.randint(-255, 256, (1001,))
-    stream = cz.pack_bits(signed, 9)
+    stream = lowrank.pack_bits(signed, 9)
     assert stream.numel() == math.ceil(9 * 1001 / 8)
-    assert torch.equal(cz.unpack_bits(stream, 9, 1001), signed)
+    assert torch.equal(lowrank.unpack_bits(stream, 9, 1001), signed)
     m = torch.randn(12, 3)
     psd = m @ m.T  # rank 3: rank-3 factorization loses only the 9-bit rounding
-    codes, scales = cz.lowrank_encode(psd, 3)
-    assert codes.numel() == cz.lowrank_count(12, 3) == 2 * 12 * 3 + 3
-    back = cz.lowrank_decode(codes, scales, 12, 3)
+    codes, scales = lowrank.encode_matrix(psd, 3)
+    assert codes.numel() == lowrank.entries(12, 3) == 2 * 12 * 3 + 3
+    back = lowrank.decode_matrix(codes, scales, 12, 3)
     assert ((back - psd).norm() / psd.norm()).item() < 0.02
 
 
 def fedma_cnn() -> nn.Module:
-    """The spec's CIFAR/SVHN "CNN" (bias-free, d = 939,616)."""
+    """FedFisher's CIFAR/SVHN "CNN" (FedMA's, bias-free as in the authors' code, d = 939,616)."""
     return nn.Sequential(
         OrderedDict(
             conv1=nn.Conv2d(3, 32, 5, bias=False),
@@ -360,45 +362,46 @@ def upload_bytes(model: nn.Module, fisher: str | None, compress: bool, triangle:
         method = FedFisher(fisher=fisher, compress=compress, triangle=triangle, baselines=())
     state = {k: v.detach() for k, v in model.state_dict().items()}
     total = 0
-    for kind, tensors, meta in method.encode(state, fake_statistics(model), 100):
-        frame = encode(Message(kind, 0, 1, 1, tensors, meta))
-        payload = sum(t.numel() * t.element_size() for t in tensors.values())
-        assert len(frame) - payload < 2048  # the header: a fixed prefix and a JSON schema
+    for kind, tensors, meta, codec in method.parts(state, fake_statistics(model), 100):
+        msg, compression = Message(kind, 0, 1, 1, tensors, meta), choose(None, kind, codec)
+        frame = encode(msg, compression)
+        head, payload = frame_sizes(msg, compression)
+        assert head + payload == len(frame)
+        assert head < 2048  # the header: a fixed prefix and a JSON schema
         assert decode(frame).tensors.keys() == tensors.keys()
         total += payload
     return total
 
 
-# d, FedAvg, Diag raw, Diag 16-bit, K-FAC full, K-FAC triangle, K-FAC compressed (spec §1)
-SPEC_BYTES = {
+# d, FedAvg, Diag raw, Diag 16-bit, K-FAC full, K-FAC triangle, K-FAC compressed (App. C)
+UPLOAD_BYTES = {
     "lenet": (44_190, 176_760, 353_520, 176_800, 704_620, 442_432, 182_765, 50),
     "cnn": (939_616, 3_758_464, 7_516_928, 3_758_504, 18_830_068, 11_301_988, 3_851_138, 243),
 }
 
 
 @pytest.mark.parametrize("arch", ["lenet", "cnn"])
-def test_upload_bytes_match_the_spec(arch: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_upload_bytes_match_app_c(arch: str, monkeypatch: pytest.MonkeyPatch) -> None:
     if arch == "cnn":  # the sizes do not depend on the values: skip the slow 1600² SVD
         eye = lambda m: (torch.eye(len(m)), torch.ones(len(m)), torch.eye(len(m)))  # noqa: E731
         monkeypatch.setattr(torch.linalg, "svd", eye)
     model = lenet((1, 28, 28), 10, bias=False) if arch == "lenet" else fedma_cnn()
-    d, avg, diag, diag16, full, tri, comp, rank = SPEC_BYTES[arch]
+    d, avg, diag, diag16, full, tri, comp, rank = UPLOAD_BYTES[arch]
     layers = [layer_info(n, m) for n, m in covered_layers(model).items()]
     assert sum(p.numel() for p in model.parameters()) == d and len(layers) == 5
-    assert cz.lowrank_rank(d, [n for i in layers for n in (i.cols, i.rows)]) == rank
+    assert lowrank.rank_for(d, [n for i in layers for n in (i.cols, i.rows)]) == rank
     assert upload_bytes(model, None, False, False) == avg == 4 * d
     assert upload_bytes(model, "diag", False, False) == diag == 8 * d
     assert upload_bytes(model, "diag", True, False) == diag16 == 4 * d + 8 * len(layers)
     assert upload_bytes(model, "kfac", False, False) == full
     assert upload_bytes(model, "kfac", False, True) == tri
-    # Compressed K-FAC: the spec's bits, 16d + Σ_l [9·(2a·k_a + 2g·k_g + k_a + k_g) + 6·32],
-    # packed into whole bytes, plus one float32 scale per model tensor (the spec counts
+    # Compressed K-FAC: App. C's bits, 16d + Σ_l [9·(2a·k_a + 2g·k_g + k_a + k_g) + 6·32],
+    # packed into whole bytes, plus one float32 scale per model tensor (App. C counts
     # those for Diag, 2·32·L bits, but leaves them out of its K-FAC formula).
     bits = 16 * d + sum(
-        9 * (cz.lowrank_count(i.cols, rank) + cz.lowrank_count(i.rows, rank)) + 6 * 32
-        for i in layers
+        9 * (lowrank.entries(i.cols, rank) + lowrank.entries(i.rows, rank)) + 6 * 32 for i in layers
     )
-    assert abs(bits / 8 - comp) < 1  # the spec's ≈ figure, to the byte
+    assert abs(bits / 8 - comp) < 1  # App. C's ≈ figure, to the byte
     assert upload_bytes(model, "kfac", True, True) == math.ceil(bits / 8) + 4 * len(layers)
 
 

@@ -1,4 +1,4 @@
-"""FedInit's relaxed initialization (specs/fedinit.md §7) as a plug-in to multi-round methods.
+"""FedInit's relaxed initialization (the poster's Alg. 1) as a plug-in to multi-round methods.
 
 Runs are spied on: every effect a node yields (and every training result it gets back) is
 recorded, so the tests see the global models the server sends, the relaxed starting points
@@ -100,7 +100,7 @@ def test_beta_zero_is_the_host_method_bit_for_bit(tmp_path, algorithm, train, to
 
 def test_every_start_follows_the_rule_with_stale_local_models(tmp_path):
     """w_i0 = w + β(w − last_i), last_i = the end of peer i's latest participation (or w^0),
-    however many rounds ago; ‖w_i0 − last_i‖ = (1 + β)‖w − last_i‖ (spec §7.2, §7.5)."""
+    however many rounds ago (Alg. 1, lines 1 and 6); ‖w_i0 − last_i‖ = (1 + β)‖w − last_i‖."""
     beta = 0.3
     log, setup = spied_run(
         tmp_path,
@@ -129,7 +129,7 @@ def test_every_start_follows_the_rule_with_stale_local_models(tmp_path):
 
 
 def test_with_full_participation_the_starts_average_to_the_global_model(tmp_path):
-    """Spec §7.3: Σ_i p_i w_i0 = w (sample weights p_i, as the server averages)."""
+    """The poster's unbiasedness: Σ_i p_i w_i0 = w (sample weights p_i, as the server averages)."""
     log, setup = spied_run(
         tmp_path,
         partition=SKEW,
@@ -172,7 +172,8 @@ def test_buffers_start_from_the_received_model(tmp_path):
 
 @pytest.mark.parametrize("participation", [1.0, 0.5])
 def test_model_and_delta_aggregation(tmp_path, participation):
-    """Spec §7.4: the same global models under full participation, different ones under
+    """Alg. 1's line 13 and the authors' code's delta rule: the same global models under full
+    participation, different ones under
     partial participation. In delta mode a peer sends w + (end − start)."""
     globals_by_mode = {}
     for mode in ("model", "delta"):
@@ -213,7 +214,7 @@ def test_fedprox_anchors_at_the_relaxed_start(tmp_path):
 
 def test_gossip_starts_average_to_the_mixed_model_on_a_mesh(tmp_path):
     """DFedAvgM on a mesh mixes every peer to the same mean; the relaxed starts average to
-    it (the gossip form of the unbiasedness, spec §1)."""
+    it (the gossip form of the unbiasedness, our extension)."""
     log, setup = spied_run(
         tmp_path,
         topology={"kind": "mesh"},

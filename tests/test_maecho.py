@@ -1,5 +1,6 @@
-"""MA-Echo (specs/ma-echo.md §7): projector algebra, aggregation identities, the QP, the
-upload accounting, the output ensemble, and whole runs on digits in both placements."""
+"""MA-Echo (§5 and Algorithm 1 of the paper; docs/maecho.md): projector algebra, aggregation
+identities, the QP, the upload accounting, the output ensemble, and whole runs on digits in
+both placements."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Position-aware neurons (specs/pans.md §7) and the neuron-matching measure."""
+"""Position-aware neurons (§3 and App. B of the paper) and the neuron-matching measure (§5.2)."""
 
 from __future__ import annotations
 
@@ -157,7 +157,7 @@ def test_permuting_hidden_units_is_invisible_only_without_pans(name, keys):
 
 
 def test_sensitivity_grows_with_amplitude():
-    """Spec §7.4: mean shuffle error over 10 permutations rises with A, for both ops."""
+    """Mean shuffle error (Eq. 8) over 10 permutations rises with A, for both ops (Fig. 3)."""
     x = torch.randn(32, *MNIST, dtype=torch.float64)
     for mode in ("add", "mul"):
         errors = []
@@ -170,7 +170,8 @@ def test_sensitivity_grows_with_amplitude():
 
 
 def test_symmetric_units_share_an_encoding_generic_ones_do_not():
-    """Spec §7.6: at T = 1, J = 64, units 5 and 27 = J/2 − 5 have the same value."""
+    """At T = 1, J = 64, units 5 and 27 = J/2 − 5 have the same value: sin(2πj/J) =
+    sin(2π(J/2 − j)/J), so swapping them leaves the output unchanged even with PANs on."""
     net = model(hidden=[64], pans=MUL)
     x = torch.randn(8, *MNIST, dtype=torch.float64)
 
@@ -253,7 +254,7 @@ def test_fedprox_with_mu_zero_reproduces_fedavg_with_pans(tmp_path):
 
 
 def test_matching_a_model_with_itself_and_with_a_shuffled_copy():
-    """Spec §7.8: ratio 1 against itself; against a copy shuffled by Π (PANs off) the
+    """Ratio 1 against itself; against a copy shuffled by Π (PANs off) the
     Hungarian matching undoes Π, so the ratio is Π's fraction of fixed points."""
     net = model(hidden=[64, 48]).eval()
     x = torch.randn(200, *MNIST, dtype=torch.float64)

@@ -13,6 +13,7 @@ from torch import nn
 from conftest import experiment
 from p2pfl.app.experiment import _simulate, build
 from p2pfl.learning.state import state_bytes
+from p2pfl.reporting.reporters import open_reporters
 
 
 def live_modules() -> int:
@@ -33,7 +34,9 @@ def test_idle_peers_hold_one_cpu_state_each_and_no_module(batched):
     )
     before = live_modules()
     with tempfile.TemporaryDirectory() as out:
-        finals, *_ = _simulate(setup, Path(out), progress=False)
+        reporters = open_reporters(Path(out))
+        finals, *_ = _simulate(setup, Path(out), False, reporters)
+        reporters.close()
     assert live_modules() - before < 5  # the trainer's one template, not one per peer
     states = [finals[p].state for p in setup.topology.peers]
     assert all(t.device.type == "cpu" for s in states for t in s.values())

@@ -8,7 +8,7 @@ import pytest
 from conftest import ROOT
 from p2pfl.core.errors import ConfigError
 from p2pfl.core.yaml_io import read_yaml
-from p2pfl.network.peers import build_peers
+from p2pfl.network.peers import build_population
 from p2pfl.network.topology import DEFAULT_LINK, Link, build_topology
 
 
@@ -71,14 +71,14 @@ def test_every_shipped_topology_and_profile_builds():
         topo = build_topology(read_yaml(path), 10, 0)
         assert nx.is_connected(topo.graph)
     for path in sorted((ROOT / "peers").glob("*.yaml")):
-        assert len(build_peers(read_yaml(path) | {"count": 10}, 0).profiles) == 10
+        assert len(build_population(0, **read_yaml(path) | {"count": 10}).profiles) == 10
 
 
 def test_peer_speed_spread_is_seeded_and_slow_fraction_exact():
     options = {"count": 50, "speed_sigma": 0.5, "slow_fraction": 0.2, "slow_factor": 0.01}
-    a, b, c = build_peers(options, 1), build_peers(options, 1), build_peers(options, 2)
+    a, b, c = (build_population(seed, **options) for seed in (1, 1, 2))
     speeds = [p.speed for p in a.profiles]
     assert speeds == [p.speed for p in b.profiles] != [p.speed for p in c.profiles]
     assert sum(s < 0.05 for s in speeds) == 10
-    uniform = build_peers({"count": 3}, 0)
+    uniform = build_population(0, count=3)
     assert [p.speed for p in uniform.profiles] == [1.0, 1.0, 1.0]

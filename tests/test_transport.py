@@ -43,6 +43,10 @@ SAME_AS_SIM = {
         "model": {"name": "mlp", "hidden": [32], "bias": False},
         "algorithm": {"name": "maecho", "placement": "mesh"},
     },
+    "fedfisher-mesh-compressed": {  # uploads under the int16 codec that Send names
+        "topology": {"kind": "mesh"},
+        "algorithm": {"name": "fedfisher", "placement": "mesh", "compress": True, "steps": 20},
+    },
 }
 
 

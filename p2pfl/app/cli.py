@@ -8,6 +8,7 @@ Exit codes: 0 success; 2 bad config or arguments (one line ``error: FILE: key: r
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -76,17 +77,30 @@ def _experiment_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, help="override the experiment's seed")
 
 
-def _setup(args: argparse.Namespace):
-    """Load, override and build the experiment (config errors name the file)."""
+def _setup(args: argparse.Namespace, transport: str = "sim"):
+    """Load, override and build the experiment: every check before anything is written
+    (config errors name the file)."""
     from p2pfl.app.experiment import build
     from p2pfl.app.sweep import load_experiment
 
     config = load_experiment(args.experiment, args.sets, args.seed)
     try:
-        return build(config)
+        return build(config, transport)
     except ConfigError as e:
         e.file = e.file or args.experiment
         raise
+
+
+def output_dir(path: str) -> Path:
+    """``--out`` checked before anything is written: every existing part of it must be a
+    directory, and the deepest existing one writable."""
+    out = Path(path)
+    existing = next(p for p in (out, *out.parents) if p.exists())
+    if not existing.is_dir():
+        raise ConfigError("--out", f"{existing} is a file, not a directory")
+    if not os.access(existing, os.W_OK):
+        raise ConfigError("--out", f"cannot write in {existing}")
+    return out
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -95,12 +109,12 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     raw, grid = load(args.experiment, args.sets, args.seed)
     if grid:
-        out = Path(args.out or f"runs/{raw.get('name', Path(args.experiment).stem)}")
+        out = output_dir(args.out or f"runs/{raw.get('name', Path(args.experiment).stem)}")
         file = Path(args.experiment)
         return run_sweep(file, raw, grid, out, not args.quiet, args.transport)
-    setup = _setup(args)
+    setup = _setup(args, args.transport)
     config = setup.config
-    out = Path(args.out or f"runs/{config['name']}-seed{config['seed']}")
+    out = output_dir(args.out or f"runs/{config['name']}-seed{config['seed']}")
     summary = run(setup, out, progress=not args.quiet, transport=args.transport)
     comm = summary["comm"]
     print(
@@ -114,11 +128,18 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def cmd_peer(args: argparse.Namespace) -> int:
     from p2pfl.runtime.launcher import node_id, read_addresses, run_peer
+    from p2pfl.runtime.sockets import TransportConfig, check_curve_keys
 
     setup = _setup(args)
     node = node_id(setup, args.peer)
     addresses = read_addresses(Path(args.addresses), setup) if args.addresses else None
-    return run_peer(setup, node, Path(args.out), addresses, args.coordinator)
+    transport = TransportConfig(**setup.config["transport"])
+    try:
+        check_curve_keys(transport, setup.topology, [node])
+    except ConfigError as e:
+        e.file = e.file or args.experiment
+        raise
+    return run_peer(setup, node, output_dir(args.out), addresses, args.coordinator)
 
 
 def cmd_keys(args: argparse.Namespace) -> int:
@@ -145,7 +166,7 @@ def cmd_cost(args: argparse.Namespace) -> int:
     methods = cost.parse_methods(args.methods or setup.config["algorithm"]["name"])
     kinds = [k.strip() for k in args.topologies.split(",") if k.strip()]
     rows = cost.analyse(setup, methods, kinds, args.model_bytes)
-    out = Path(args.out or f"runs/{setup.config['name']}-cost")
+    out = output_dir(args.out or f"runs/{setup.config['name']}-cost")
     out.mkdir(parents=True, exist_ok=True)
     cost.write_csv(rows, out / "cost.csv")
     plots.cost_chart(rows, out)

@@ -18,7 +18,8 @@ import yaml
 
 from p2pfl.core.errors import ConfigError
 from p2pfl.core.options import bind, bind_with_common
-from p2pfl.core.yaml_io import parse_yaml, read_yaml
+from p2pfl.core.plugins import load_plugins
+from p2pfl.core.yaml_io import find_file, parse_yaml, read_yaml
 from p2pfl.data.datasets import DATASETS, take_subsets
 from p2pfl.data.federated import SplitOptions
 from p2pfl.data.partition import PARTITIONERS
@@ -26,13 +27,14 @@ from p2pfl.learning.models import resolve_model
 from p2pfl.learning.training import TrainConfig
 from p2pfl.methods import METHODS
 from p2pfl.network.codecs import resolve_section as resolve_compression
-from p2pfl.network.peers import population
+from p2pfl.network.peers import build_population
+from p2pfl.network.topology import parse_topology
 from p2pfl.runtime.setup import EvalConfig
 from p2pfl.runtime.sockets import TransportConfig
 
 SECTIONS = (
     "name", "seed", "dataset", "partition", "model", "topology", "peers", "algorithm", "train",
-    "eval", "transport", "compression",
+    "eval", "transport", "compression", "plugins",
 )  # fmt: skip
 DEFAULTS: dict[str, Any] = {
     "seed": 0,
@@ -73,8 +75,7 @@ def _include(section: dict[str, Any], key: str, base: Path, what: str) -> dict[s
     name = section[key]
     if not isinstance(name, str):
         raise ConfigError(key, "must be a file path")
-    candidates = [Path(name), base.parent / name, base.parent.parent / name]
-    path = next((p for p in candidates if p.is_file()), None)
+    path = find_file(name, base)
     if path is None:
         raise ConfigError(key, f"no such {what} file {name!r}")
     included = read_yaml(path, f"{what} file")
@@ -90,15 +91,21 @@ def _named(
     fn = registry.get(options["name"])
     rest = {k: v for k, v in options.items() if k != "name"}
     if common is None:
-        return {"name": options["name"]} | bind(fn, rest, skip)
+        return {"name": options["name"]} | bind(fn, rest, skip, also=("name",))
     own, shared = bind_with_common(fn, common, rest, skip, common_skip)
     return {"name": options["name"]} | own | shared
+
+
+def _topology(options: dict[str, Any]) -> dict[str, Any]:
+    """Check a ``topology:`` mapping (all but what needs the peer count); return it as is."""
+    parse_topology(options)
+    return options
 
 
 def _section(config: dict[str, Any], key: str) -> dict[str, Any]:
     value = config.get(key, {})
     if not isinstance(value, dict):
-        raise ConfigError(key, "must be a mapping of keys")
+        raise ConfigError("", "must be a mapping of keys")  # the caller adds the key
     return dict(value)
 
 
@@ -116,13 +123,20 @@ def resolve(raw: dict[str, Any], file: Path) -> dict[str, Any]:
         raise ConfigError("name", "must be a string")
     if not isinstance(config["seed"], int) or isinstance(config["seed"], bool):
         raise ConfigError("seed", f"must be an integer, got {config['seed']!r}")
+    if config["seed"] < 0:
+        raise ConfigError("seed", f"must be >= 0, got {config['seed']}")
     out["seed"] = config["seed"]
+    plugins = load_plugins(config.get("plugins", []), file)  # before any registry lookup
+    if plugins:
+        out["plugins"] = plugins
     steps = {
         "dataset": lambda o: _named(DATASETS, o, 0, take_subsets, 2),
         "partition": lambda o: _named(PARTITIONERS, o, 3, SplitOptions),
         "model": resolve_model,
-        "topology": lambda o: _include(o, "file", file, "topology"),
-        "peers": lambda o: bind(population, _include(o, "profile", file, "peer profile")),
+        "topology": lambda o: _topology(_include(o, "file", file, "topology")),
+        "peers": lambda o: bind(
+            build_population, _include(o, "profile", file, "peer profile"), 1, also=("profile",)
+        ),
         "algorithm": lambda o: _named(METHODS, o, 0),
         "train": lambda o: asdict(TrainConfig(**bind(TrainConfig, o))),
         "eval": lambda o: asdict(EvalConfig(**bind(EvalConfig, o))),
@@ -135,7 +149,7 @@ def resolve(raw: dict[str, Any], file: Path) -> dict[str, Any]:
         except ConfigError as e:
             raise e.within(key) from None
     try:
-        population(**out["peers"])
+        build_population(out["seed"], **out["peers"])
     except ConfigError as e:
         raise e.within("peers") from None
     return out

@@ -87,6 +87,9 @@ def make_method(name: str, keys: dict[str, Any], algorithm: dict[str, Any]) -> M
     else:
         known = ", ".join(sorted([*METHODS.names(), *COST_ONLY.names()]))
         raise ConfigError("--methods", f"unknown method {name!r}; choose from {known}")
+    if cls.transfers is Method.transfers:
+        key = "algorithm.name" if name == algorithm["name"] else "--methods"
+        raise ConfigError(key, f"{name} has no analytic cost plan (it defines no transfers())")
     try:
         return cls(**bind(cls, keys))
     except ConfigError as e:
@@ -200,7 +203,7 @@ def analyse(
                 rows.append(row | {"status": "n/a", "note": e.message})
                 continue
             plan = transfers(method, make_plan(setup, topology, model_bytes))
-            row |= {"status": "ok", "note": note, "rounds": method.rounds(topology.num_peers)}
+            row |= {"status": "ok", "note": note, "rounds": method.total_rounds(topology.num_peers)}
             rows.append(row | summarize(plan, topology))
     return rows
 

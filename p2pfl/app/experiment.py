@@ -7,6 +7,7 @@ Outputs (all in the run directory): ``config.yaml`` (resolved), ``partition.csv`
 
 from __future__ import annotations
 
+import copy
 import json
 import time
 from pathlib import Path
@@ -15,7 +16,7 @@ from typing import Any
 import torch
 import yaml
 
-from p2pfl.core.errors import ConfigError, RunError
+from p2pfl.core.errors import ConfigError, RunError, TopologyMisfit
 from p2pfl.core.seeding import derive_seed
 from p2pfl.data.datasets import load_dataset
 from p2pfl.data.federated import make_federated_data
@@ -25,14 +26,15 @@ from p2pfl.methods import METHODS
 from p2pfl.methods.effects import Finish, State
 from p2pfl.network.codecs import from_section
 from p2pfl.network.ledger import Ledger
-from p2pfl.network.peers import build_peers
+from p2pfl.network.peers import build_population
 from p2pfl.network.topology import Topology, build_topology
 from p2pfl.reporting import matching
-from p2pfl.reporting.metrics import MetricsLog
 from p2pfl.reporting.partition import save_partition
+from p2pfl.reporting.reporters import Reporter, open_reporters
 from p2pfl.runtime.launcher import launch
 from p2pfl.runtime.setup import EvalConfig, Setup
 from p2pfl.runtime.sim import SimRuntime
+from p2pfl.runtime.sockets import TransportConfig, check_curve_keys
 from p2pfl.runtime.worker import Worker
 
 
@@ -44,18 +46,25 @@ def _within(prefix: str, fn: Any, *args: Any) -> Any:
         raise e.within(prefix) from None
 
 
-def build(config: dict[str, Any]) -> Setup:
-    """Build the method, peers, topology, model and data (cheap checks first)."""
+def build(config: dict[str, Any], transport: str = "sim") -> Setup:
+    """Build the method, peers, topology, model and data of a resolved config.
+
+    This is the validation phase: every check that needs no training runs here, before a
+    run writes anything, and raises ``ConfigError``; the methods' own checks on the model
+    and data come last (``Method.check_data``), then whether the method fits the topology
+    (``Method.check``, as a ``TopologyMisfit``: a sweep skips such a cell only when nothing
+    else is wrong with it). ``transport: zmq`` also checks the CURVE keys of every node.
+    """
     seed = config["seed"]
     algo = {k: v for k, v in config["algorithm"].items() if k != "name"}
     method = _within("algorithm", lambda: METHODS.get(config["algorithm"]["name"])(**algo))
-    population = _within("peers", build_peers, config["peers"], seed)
+    population = _within("peers", lambda: build_population(seed, **config["peers"]))
+    _within("peers", resolve_device, population.profiles[0].device)
     topo_seed = derive_seed(seed, "topology")
     topology = _within(
         "topology", build_topology, config["topology"], len(population.profiles), topo_seed,
         population.link,
     )  # fmt: skip
-    _within("topology", method.check, topology, seed)
     dataset = _within("dataset", load_dataset, config["dataset"], seed)
     trainer = _within("model", Trainer, config["model"], dataset.input_shape, dataset.num_classes)
     evaluation = EvalConfig(**config["eval"])
@@ -68,10 +77,16 @@ def build(config: dict[str, Any]) -> Setup:
         data = make_federated_data(dataset, config["partition"], topology.num_peers, seed)
     except ConfigError as e:
         raise e.within("peers" if e.key == "count" else "partition") from None
-    return Setup(
-        config, method, population, topology, trainer, data, TrainConfig(**config["train"]),
-        evaluation,
-    )  # fmt: skip
+    train = TrainConfig(**config["train"])
+    train.check_data(data.peers)
+    method.check_data(copy.deepcopy(trainer.module(torch.device("cpu"))), data)
+    if transport == "zmq":
+        check_curve_keys(TransportConfig(**config["transport"]), topology, topology.graph.nodes)
+    try:
+        method.check(topology, seed)
+    except ConfigError as e:
+        raise TopologyMisfit(e.key, e.message).within("topology") from None
+    return Setup(config, method, population, topology, trainer, data, train, evaluation)
 
 
 def run(setup: Setup, out: Path, progress: bool = False, transport: str = "sim") -> dict[str, Any]:
@@ -84,15 +99,16 @@ def run(setup: Setup, out: Path, progress: bool = False, transport: str = "sim")
     start = time.perf_counter()
     clock = 0.0
     comm: dict[str, Any] = {}
+    reporters = open_reporters(out, setup.eval.reporters)
     try:
         if transport == "sim":
-            finals, baselines, clock, comm = _simulate(setup, out, progress)
+            finals, baselines, clock, comm = _simulate(setup, out, progress, reporters)
         else:
-            outcome = launch(setup, out, config_file)
+            outcome = launch(setup, out, config_file, reporters)
             finals, baselines, clock, comm = (
                 outcome.finals, outcome.baselines, outcome.elapsed_s, outcome.comm
             )  # fmt: skip
-        summary |= _results(setup, finals, clock, MetricsLog(out / "metrics.csv", append=True))
+        summary |= _results(setup, finals, clock, reporters)
         if baselines:
             summary["baselines"] = baselines
         summary["status"] = "ok"
@@ -103,6 +119,7 @@ def run(setup: Setup, out: Path, progress: bool = False, transport: str = "sim")
         summary |= {"status": "failed", "error": f"{type(e).__name__}: {e}"}
         raise RunError(f"run failed: {e}") from e
     finally:
+        reporters.close()
         summary |= {
             "comm": comm,
             "sim_time_s": clock,
@@ -114,13 +131,14 @@ def run(setup: Setup, out: Path, progress: bool = False, transport: str = "sim")
 
 
 def _simulate(
-    setup: Setup, out: Path, progress: bool
+    setup: Setup, out: Path, progress: bool, metrics: Reporter
 ) -> tuple[dict[int, Finish], dict[str, float], float, dict[str, Any]]:
     """Run every node on one SimPy clock; return finals, baselines, end time and ledger."""
-    ledger, metrics = Ledger(out / "comm.csv"), MetricsLog(out / "metrics.csv")
+    ledger = Ledger(out / "comm.csv")
     worker = Worker(
         setup.trainer, setup.data, setup.train, setup.population, setup.topology, setup.seed,
-        metrics, setup.eval.every, setup.method.rounds(setup.topology.num_peers), out, progress,
+        metrics, setup.eval.every, setup.method.total_rounds(setup.topology.num_peers), out,
+        progress,
     )  # fmt: skip
     compression = from_section(setup.config["compression"])
     runtime = SimRuntime(setup.topology, worker, ledger, compression)
@@ -132,7 +150,6 @@ def _simulate(
     finally:
         worker.close()
         ledger.close()
-        metrics.close()
     return finals, worker.baselines, runtime.now, ledger.summary()
 
 
@@ -160,7 +177,7 @@ def final_state(finals: dict[int, Finish], topology: Topology) -> State:
 
 
 def _results(
-    setup: Setup, finals: dict[int, Finish], now: float, metrics: MetricsLog
+    setup: Setup, finals: dict[int, Finish], now: float, metrics: Reporter
 ) -> dict[str, Any]:
     """Score the output model and every peer's final model; log the output's rows."""
     device = resolve_device(setup.population.profiles[0].device)
@@ -170,7 +187,7 @@ def _results(
 
     output = final_state(finals, setup.topology)
     acc, loss = score(output)
-    last_round = setup.method.rounds(setup.topology.num_peers)
+    last_round = setup.method.total_rounds(setup.topology.num_peers)
     metrics.log(now, last_round, "final", "accuracy", acc)
     metrics.log(now, last_round, "final", "loss", loss)
     results: dict[str, Any] = {}
@@ -182,7 +199,6 @@ def _results(
         for against, ratios in results["matching"].items():
             for layer, ratio in ratios.items():
                 metrics.log(now, last_round, "final", f"match_{against}/{layer}", ratio)
-    metrics.close()
     per_peer = []
     if setup.eval.per_peer:
         for p in setup.topology.peers:

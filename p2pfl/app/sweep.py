@@ -5,10 +5,11 @@ An experiment with a top-level ``sweep:`` mapping runs once per combination of i
 name (``algorithm``, ``topology``, ``seed``, ...) or a dotted key path as in ``--set``
 (``algorithm.alpha``). For a section, a mapping value replaces the whole section and a
 string is shorthand for ``{kind: VALUE}`` (topology) or ``{name: VALUE}`` (every other
-section); dotted keys are set after the sections. Every cell is checked before anything
-runs, so a bad key stops the sweep at once. A cell whose method does not fit its topology
-(or that cannot be built, e.g. too many peers for the partition) is skipped with the
-reason; a cell whose run fails is reported and the sweep goes on (exit code 1 at the end).
+section); dotted keys are set after the sections. Every cell is resolved and built (the
+validation phase of :func:`p2pfl.app.experiment.build`) before any runs or anything is
+written: a bad cell stops the sweep at once, naming the cell and the key (exit code 2).
+Only a cell whose method does not fit its topology is skipped, with the reason; a cell
+whose run fails is reported and the sweep goes on (exit code 1 at the end).
 
 Cell ``i`` runs in ``OUT/KEY=LABEL,KEY=LABEL,...``; it is resumable: a cell whose
 ``summary.json`` says ``ok`` and whose ``config.yaml`` is the cell's config is not run
@@ -35,7 +36,8 @@ import yaml
 
 from p2pfl.app.config import SECTIONS, apply_set, read_experiment, resolve
 from p2pfl.app.experiment import build, run
-from p2pfl.core.errors import ConfigError, RunError
+from p2pfl.core.errors import ConfigError, RunError, TopologyMisfit
+from p2pfl.data.datasets import loaded_once
 
 SHORTHAND = {"topology": "kind"}
 """The key a string value of a section stands for (``name`` for the other sections)."""
@@ -75,9 +77,10 @@ def split(raw: dict[str, Any]) -> tuple[dict[str, Any], dict[str, list[Any]]]:
 
 def base_config(raw: dict[str, Any], file: Path) -> dict[str, Any]:
     """A sweep file read as one experiment (``p2pfl cost``, ``p2pfl peer``): its base, the
-    file without ``sweep:``, resolved once every cell has resolved."""
+    file without ``sweep:``, resolved once every cell has been checked as a sweep checks it."""
     base, grid = split(raw)
-    cells(base, grid, file)
+    with loaded_once():
+        misfits(cells(base, grid, file), file, "sim")
     return resolve(base, file)
 
 
@@ -122,8 +125,8 @@ def apply(raw: dict[str, Any], values: dict[str, Any]) -> dict[str, Any]:
 
 def cells(raw: dict[str, Any], grid: dict[str, list[Any]], file: Path) -> list[Cell]:
     """Every cell of the grid with its resolved config; a bad cell is a ``ConfigError``."""
-    for key, values in grid.items():
-        names = [label(v) for v in values]
+    for key, choices in grid.items():
+        names = [label(v) for v in choices]
         if len(set(names)) != len(names):
             raise ConfigError(
                 f"sweep.{key}", f"two values share a directory label: {names}", str(file)
@@ -135,11 +138,28 @@ def cells(raw: dict[str, Any], grid: dict[str, list[Any]], file: Path) -> list[C
         try:
             cell.config = resolve(apply(raw, values), file)
         except ConfigError as e:
-            e.file = e.file or str(file)
-            e.key = f"{e.key} (sweep cell {cell.name})"
-            raise
+            raise _in_cell(e, cell, file) from None
         out.append(cell)
     return out
+
+
+def _in_cell(e: ConfigError, cell: Cell, file: Path) -> ConfigError:
+    """``e`` naming the sweep file and the cell."""
+    return ConfigError(f"{e.key} (sweep cell {cell.name})", e.message, e.file or str(file))
+
+
+def misfits(todo: list[Cell], file: Path, transport: str) -> dict[str, str]:
+    """Build every cell once (the validation phase); return the cells whose method does not
+    fit the topology, with the reason. Any other bad cell is a ``ConfigError`` naming it."""
+    skipped = {}
+    for cell in todo:
+        try:
+            build(cell.config, transport)
+        except TopologyMisfit as e:
+            skipped[cell.name] = str(e)
+        except ConfigError as e:
+            raise _in_cell(e, cell, file) from None
+    return skipped
 
 
 def finished(out: Path, config: dict[str, Any]) -> dict[str, Any] | None:
@@ -152,19 +172,20 @@ def finished(out: Path, config: dict[str, Any]) -> dict[str, Any] | None:
     return summary if summary.get("status") == "ok" and same else None
 
 
-def run_cell(cell: Cell, out: Path, progress: bool, transport: str) -> dict[str, Any]:
-    """One cell's row for ``cells.csv``: run it unless it is done or does not fit."""
+def run_cell(
+    cell: Cell, out: Path, progress: bool, transport: str, misfit: str | None = None
+) -> dict[str, Any]:
+    """One cell's row for ``cells.csv``: run it unless it is done or does not fit (``misfit``
+    is then why)."""
     row: dict[str, Any] = {"cell": cell.name, "reason": ""}
+    if misfit is not None:
+        return row | {"status": "skipped", "reason": misfit}
     summary = finished(out, cell.config)
     if summary is not None:
         row["status"] = "done"
     else:
         try:
-            setup = build(cell.config)
-        except ConfigError as e:
-            return row | {"status": "skipped", "reason": str(e)}
-        try:
-            summary = run(setup, out, progress, transport)
+            summary = run(build(cell.config, transport), out, progress, transport)
             row["status"] = "ok"
         except RunError as e:
             return row | {"status": "failed", "reason": str(e)}
@@ -234,18 +255,21 @@ def run_sweep(
     progress: bool,
     transport: str = "sim",
 ) -> int:
-    """Run every cell of the grid under ``out``; write the tables and figures. Returns the
-    exit code: 1 if a cell's run failed, else 0."""
+    """Check every cell, then run them under ``out``; write the tables and figures. Returns
+    the exit code: 1 if a cell's run failed, else 0."""
     from p2pfl.reporting import plots
 
-    todo = cells(raw, grid, file)
-    out.mkdir(parents=True, exist_ok=True)
-    rows = []
-    for i, cell in enumerate(todo, 1):
-        row = run_cell(cell, out / cell.name, progress, transport) | cell.labels
-        rows.append(row)
-        detail = f"accuracy {row['accuracy']:.4f}" if "accuracy" in row else row["reason"]
-        print(f"[{i}/{len(todo)}] {cell.name}: {row['status']} ({detail})", flush=True)
+    with loaded_once():  # every cell is built twice: checked first, then run
+        todo = cells(raw, grid, file)
+        skipped = misfits(todo, file, transport)
+        out.mkdir(parents=True, exist_ok=True)
+        rows = []
+        for i, cell in enumerate(todo, 1):
+            misfit = skipped.get(cell.name)
+            row = run_cell(cell, out / cell.name, progress, transport, misfit) | cell.labels
+            rows.append(row)
+            detail = f"accuracy {row['accuracy']:.4f}" if "accuracy" in row else row["reason"]
+            print(f"[{i}/{len(todo)}] {cell.name}: {row['status']} ({detail})", flush=True)
     write_csv(out / "cells.csv", rows, [*grid, *CELL_COLUMNS])
     summary = table(grid, rows)
     keys = [k for k in grid if k != "seed"]

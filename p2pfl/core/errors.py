@@ -19,11 +19,16 @@ class ConfigError(Exception):
     def within(self, prefix: str) -> ConfigError:
         """The same error with ``prefix.`` in front of its key."""
         key = f"{prefix}.{self.key}" if self.key else prefix
-        return ConfigError(key, self.message, self.file)
+        return type(self)(key, self.message, self.file)
 
     def __str__(self) -> str:
         parts = [p for p in (self.file, self.key) if p]
         return ": ".join([*parts, self.message])
+
+
+class TopologyMisfit(ConfigError):
+    """A method that cannot run on the topology it was given (``Method.check``): a bad
+    config for one run; in a sweep, the one kind of cell that is skipped, with this reason."""
 
 
 class RunError(Exception):

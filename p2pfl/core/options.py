@@ -89,11 +89,15 @@ def parameters(fn: Callable[..., Any], skip: int = 0) -> dict[str, inspect.Param
     return {p.name: p for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)}
 
 
-def bind(fn: Callable[..., Any], options: dict[str, Any], skip: int = 0) -> dict[str, Any]:
+def bind(
+    fn: Callable[..., Any], options: dict[str, Any], skip: int = 0, also: tuple[str, ...] = ()
+) -> dict[str, Any]:
     """Check ``options`` against ``fn``'s signature and return the full keyword dict.
 
     Missing keys take their defaults; a key without a default must be given. Errors name
-    the key relative to the section (the caller adds the prefix with ``ConfigError.within``).
+    the key relative to the section (the caller adds the prefix with ``ConfigError.within``);
+    an unknown key's error lists the valid ones, with ``also``: keys of the section that the
+    caller handles itself (``name``, ``kind``, an included ``file``).
     """
     params = parameters(fn, skip)
     if dataclasses.is_dataclass(fn):
@@ -102,9 +106,7 @@ def bind(fn: Callable[..., Any], options: dict[str, Any], skip: int = 0) -> dict
         hints = get_type_hints(fn.__init__ if inspect.isclass(fn) else fn)
     unknown = sorted(set(options) - set(params))
     if unknown:
-        raise ConfigError(
-            unknown[0], f"unknown key; valid keys are: {', '.join(sorted(params)) or '(none)'}"
-        )
+        raise unknown_key(unknown[0], [*params, *also])
     out: dict[str, Any] = {}
     for name, p in params.items():
         if name in options:
@@ -125,20 +127,27 @@ def bind_with_common(
     options: dict[str, Any],
     skip: int = 0,
     common_skip: int = 0,
+    also: tuple[str, ...] = ("name",),
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """Bind one YAML section whose keys belong partly to ``fn`` and partly to ``common``.
 
-    ``options`` excludes ``name``. Returns the keyword dicts for ``fn`` and ``common``; an
-    unknown key names every valid key of the section, not just one side's.
+    ``options`` excludes the keys in ``also`` (``name``). Returns the keyword dicts for
+    ``fn`` and ``common``; an unknown key names every valid key of the section, not just
+    one side's.
     """
     own, shared = parameters(fn, skip), parameters(common, common_skip)
     unknown = sorted(set(options) - set(own) - set(shared))
     if unknown:
-        valid = ", ".join(sorted({"name", *own, *shared}))
-        raise ConfigError(unknown[0], f"unknown key; valid keys are: {valid}")
+        raise unknown_key(unknown[0], [*own, *shared, *also])
     mine = {k: v for k, v in options.items() if k in own}
     theirs = {k: v for k, v in options.items() if k in shared}
     return bind(fn, mine, skip), bind(common, theirs, common_skip)
+
+
+def unknown_key(key: str, valid: list[str]) -> ConfigError:
+    """The error for a key a section does not have, listing the keys it has."""
+    listed = ", ".join(sorted(set(valid))) or "(none)"
+    return ConfigError(key, f"unknown key; valid keys are: {listed}")
 
 
 class Registry(Generic[T]):
@@ -165,7 +174,7 @@ class Registry(Generic[T]):
         return deco
 
     def get(self, name: Any) -> T:
-        if name not in self._items:
+        if not isinstance(name, str) or name not in self._items:
             raise ConfigError(
                 "name", f"unknown {self.kind} {name!r}; choose one of: {', '.join(self.names())}"
             )

@@ -1,4 +1,5 @@
-"""Reading YAML safely: numbers as numbers, one-line errors that name the file."""
+"""Reading YAML safely (numbers as numbers, one-line errors that name the file), and finding
+the files an experiment names."""
 
 from __future__ import annotations
 
@@ -46,3 +47,11 @@ def read_yaml(path: Path, what: str = "file") -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ConfigError("", "must be a YAML mapping of keys", file=str(path))
     return data
+
+
+def find_file(name: str, base: Path) -> Path | None:
+    """The file an experiment at ``base`` names by a relative ``name`` (``topology.file``,
+    ``peers.profile``, ``plugins``): as given (from the current directory), next to the
+    experiment file, or one directory above it; ``None`` if none of these is a file."""
+    candidates = [Path(name), base.parent / name, base.parent.parent / name]
+    return next((p for p in candidates if p.is_file()), None)

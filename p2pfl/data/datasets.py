@@ -9,13 +9,14 @@ scikit-learn and scipy are imported only by the loaders that need them (import t
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gzip
 import math
 import pickle
 import struct
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -66,7 +67,30 @@ def load_dataset(options: dict[str, Any], seed: int) -> Dataset:
     rest = {k: v for k, v in options.items() if k != "name"}
     loader = DATASETS.get(options["name"])
     kwargs, common = bind_with_common(loader, take_subsets, rest, common_skip=2)
-    return take_subsets(loader(**kwargs), seed, **common)
+    if _loaded is None:
+        return take_subsets(loader(**kwargs), seed, **common)
+    key = repr((options["name"], sorted(kwargs.items())))
+    if key not in _loaded:
+        _loaded[key] = loader(**kwargs)
+    return take_subsets(_loaded[key], seed, **common)
+
+
+_loaded: dict[str, Dataset] | None = None
+"""Datasets by their loader keys while :func:`loaded_once` is active (else no cache)."""
+
+
+@contextlib.contextmanager
+def loaded_once() -> Iterator[None]:
+    """Within this block each distinct ``dataset:`` section is loaded and normalised once: a
+    sweep builds every cell to check it, then again to run it. Outside, nothing is kept,
+    so a single run holds one copy of its data."""
+    global _loaded
+    outer = _loaded
+    _loaded = {} if outer is None else outer
+    try:
+        yield
+    finally:
+        _loaded = outer
 
 
 def take_subsets(

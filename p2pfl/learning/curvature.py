@@ -1,8 +1,9 @@
 """Local curvature statistics of a classifier: true Fisher (diagonal and K-FAC) and Grams.
 
-Everything is computed exactly over the classes (FedFisher spec §2.2): for each class c the
-logit-space vector u_c = √p_c·(e_c − p), with p detached, is back-propagated, so that
-F = (1/n) Σ_x Σ_c J^T u_c u_c^T J is the *true* Fisher, not the empirical one.
+Everything is computed exactly over the classes (FedFisher §2, eq. 3, computed as nngeometry
+does, §5.1): for each class c the logit-space vector u_c = √p_c·(e_c − p), with p detached,
+is back-propagated, so that F = (1/n) Σ_x Σ_c J^T u_c u_c^T J is the *true* Fisher, not the
+empirical one.
 
 Only ``nn.Linear`` and ``nn.Conv2d`` layers are covered (as nngeometry does); a layer
 with a bias is treated as one matrix [W | b] whose input gets a constant 1 appended. With
@@ -16,6 +17,7 @@ backprop of u_c at the layer output:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +36,11 @@ class LayerInfo:
     bias: bool
     rows: int  # g: output features / channels
     cols: int  # a: input features (C_in·k_h·k_w for a conv), +1 with a bias
+
+    @classmethod
+    def of(cls, name: str, weight_shape: tuple[int, ...], bias: bool) -> LayerInfo:
+        """The layer with this weight shape, with or without a bias."""
+        return cls(name, weight_shape, bias, weight_shape[0], math.prod(weight_shape[1:]) + bias)
 
 
 def covered_layers(model: nn.Module) -> dict[str, nn.Module]:
@@ -58,9 +65,13 @@ def covered_layers(model: nn.Module) -> dict[str, nn.Module]:
 
 
 def layer_info(name: str, module: nn.Module) -> LayerInfo:
-    w = module.weight
-    bias = module.bias is not None
-    return LayerInfo(name, tuple(w.shape), bias, w.shape[0], w[0].numel() + int(bias))
+    """A Linear or Conv2d module as a :class:`LayerInfo`."""
+    return LayerInfo.of(name, tuple(module.weight.shape), module.bias is not None)
+
+
+def state_layer(state: dict[str, Tensor], name: str) -> LayerInfo:
+    """The layer ``name`` as a model state holds it (``NAME.weight``, ``NAME.bias`` if any)."""
+    return LayerInfo.of(name, tuple(state[f"{name}.weight"].shape), f"{name}.bias" in state)
 
 
 def as_matrix(state: dict[str, Tensor], layer: LayerInfo) -> Tensor:

@@ -1,9 +1,9 @@
 """Scoring an output ensemble: several models of one architecture that vote by their logits.
 
 An ensemble is not one state_dict, so it cannot be scored by loading a single state. One-shot
-methods report it as an upper reference next to their single aggregated model (MA-Echo
-spec §3: the logits of all local models are averaged, optionally per class over the models
-that own the class).
+methods report it as an upper reference next to their single aggregated model (as in
+MA-Echo's official code: the logits of all local models are averaged, optionally per class over
+the models that own the class).
 """
 
 from __future__ import annotations

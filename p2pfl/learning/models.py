@@ -185,7 +185,7 @@ def cnn3(
 
 @MODELS.register("cnn_s")
 def cnn_s(input_shape: InputShape, num_classes: int) -> nn.Module:
-    """FedELMY spec §6 ``CNN-S``, a small CNN with BatchNorm for checking BN handling:
+    """A small CNN with BatchNorm, ours, for checking BatchNorm handling (docs/fedelmy.md):
     conv5 C→8 (pad 2), BN, ReLU, pool2; conv5 8→16 (pad 2), BN, ReLU, pool2; fc → classes
     (784 inputs for 28×28)."""
 
@@ -221,11 +221,12 @@ def resnet18(
     # Imported here: torchvision doubles the import time and only ResNets need it.
     from torchvision.models import resnet18 as tv_resnet18
 
-    norm_layer: Callable[[int], nn.Module] = {
+    layers: dict[str, Callable[[int], nn.Module]] = {
         "bn": nn.BatchNorm2d,
         "group": lambda c: nn.GroupNorm(_GROUPS, c),
         "none": lambda c: nn.Identity(),
-    }[norm]
+    }
+    norm_layer = layers[norm]
     model = tv_resnet18(weights=None, num_classes=num_classes, norm_layer=norm_layer)
     model.conv1 = nn.Conv2d(input_shape[0], 64, 3, stride=1, padding=1, bias=False)
     nn.init.kaiming_normal_(model.conv1.weight, mode="fan_out", nonlinearity="relu")
@@ -234,7 +235,10 @@ def resnet18(
 
 
 def _width(layer: nn.Module) -> int:
-    return layer.out_features if isinstance(layer, nn.Linear) else layer.out_channels
+    if isinstance(layer, nn.Linear):
+        return layer.out_features
+    assert isinstance(layer, nn.Conv2d)
+    return layer.out_channels
 
 
 def hidden_units(model: nn.Module) -> dict[str, tuple[nn.Module, int]]:
@@ -243,7 +247,8 @@ def hidden_units(model: nn.Module) -> dict[str, tuple[nn.Module, int]]:
 
     That is every :class:`Hidden` layer's ``norm`` (named by the layer), and in ResNets each
     basic block's ``bn1``, ``bn2`` and projection-shortcut norm (named by their path); the
-    stem and the output layer are not hidden units (specs/pans.md §2.3).
+    stem and the output layer are not hidden units (PANs paper, App. B and Fig. 13; no
+    encoding on the stem, as in the authors' ResNet code).
     """
     # A ResNet was built by torchvision, so it is imported; other models need not load it.
     resnet = sys.modules.get("torchvision.models.resnet")
@@ -307,7 +312,7 @@ def forward_flops(model: nn.Module, input_shape: InputShape) -> int:
         nonlocal total
         if isinstance(module, nn.Linear):
             total += 2 * module.in_features * output.numel()
-        else:
+        elif isinstance(module, nn.Conv2d):
             kh, kw = module.kernel_size
             total += 2 * (module.in_channels // module.groups) * kh * kw * output.numel()
 

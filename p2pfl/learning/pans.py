@@ -1,4 +1,4 @@
-"""Position-aware neurons (Li, Xu, Song, Li, Li, Shao, Zhan, CVPR 2022; specs/pans.md).
+"""Position-aware neurons (Li, Xu, Song, Li, Li, Shao, Zhan, CVPR 2022, §3.2 and App. B).
 
 A fixed, position-dependent value per hidden unit (per channel of a conv layer), added to or
 multiplied into the unit's pre-activation: after the layer and its normalisation, before the
@@ -22,7 +22,7 @@ from p2pfl.core.errors import ConfigError
 
 @dataclass(frozen=True)
 class Pans:
-    """The ``model.pans`` key: position-aware neurons (Li et al., CVPR 2022; specs/pans.md).
+    """The ``model.pans`` key: position-aware neurons (Li et al., CVPR 2022, §3.2, Eqs. 2–5).
 
     Unit j of a hidden layer of width J gets e_j = A·sin(2πTj/J) added to (``add``) or
     1 + A·sin(2πTj/J) multiplied into (``mul``) its pre-activation. T counts sine cycles
@@ -63,6 +63,7 @@ class PositionEncoding(nn.Module):
     def __init__(self, mode: Literal["add", "mul"], values: Tensor) -> None:
         super().__init__()
         self.mode = mode
+        self.values: Tensor
         self.register_buffer("values", values, persistent=False)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -74,7 +75,8 @@ class PositionEncoding(nn.Module):
 
 
 def _encode_output(module: nn.Module, inputs: Any, output: Tensor) -> Tensor:
-    return module.pan(output)
+    pan = module.get_submodule("pan")
+    return pan(output)
 
 
 def encode(units: Iterable[tuple[nn.Module, int]], pans: Pans) -> None:

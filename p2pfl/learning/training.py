@@ -18,7 +18,7 @@ from torch import nn
 from p2pfl.core.errors import ConfigError
 from p2pfl.core.options import bind
 from p2pfl.data.federated import PeerData
-from p2pfl.learning.models import build_model, forward_flops
+from p2pfl.learning.models import InputShape, build_model, forward_flops
 from p2pfl.learning.state import State, clone_state
 
 # Extra loss term: ``regularizer(module, ce)`` is added to the cross-entropy ``ce``.
@@ -56,6 +56,16 @@ class TrainConfig:
         if self.rho <= 0:
             raise ConfigError("rho", "must be > 0")
 
+    def check_data(self, peers: list[PeerData]) -> None:
+        """``select: best_val`` scores each epoch on the peer's validation split, so some
+        peer must have one (the key is a full path: the need spans two sections)."""
+        if self.select == "best_val" and not any(len(p.val_y) for p in peers):
+            raise ConfigError(
+                "partition.val_fraction",
+                "leaves no validation samples, but train.select: best_val picks each "
+                "training's best epoch on them; set it > 0 or train.select: last",
+            )
+
     def with_overrides(self, overrides: dict[str, Any]) -> TrainConfig:
         """This config with some keys replaced (checked like the YAML section)."""
         return TrainConfig(**bind(TrainConfig, self.__dict__ | overrides)) if overrides else self
@@ -79,19 +89,23 @@ class TrainResult:
 
 
 def resolve_device(device: str) -> torch.device:
+    """A ``peers.device`` value as a torch device; a CUDA device this host lacks is an error."""
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ConfigError("device", f"{device} requested but no CUDA device is available")
+    if device.startswith("cuda:") and int(device[5:]) >= torch.cuda.device_count():
+        raise ConfigError(
+            "device",
+            f"{device} requested but this host has {torch.cuda.device_count()} CUDA device(s)",
+        )
     return torch.device(device)
 
 
 class Trainer:
     """Trains and scores states of one architecture; also its FLOP-based compute model."""
 
-    def __init__(
-        self, model_options: dict[str, Any], input_shape: tuple[int, ...], num_classes: int
-    ):
+    def __init__(self, model_options: dict[str, Any], input_shape: InputShape, num_classes: int):
         self._build = lambda: build_model(model_options, input_shape, num_classes)
         self._modules: dict[torch.device, nn.Module] = {torch.device("cpu"): self._build()}
         self.forward_flops = forward_flops(self._modules[torch.device("cpu")], input_shape)
@@ -125,8 +139,8 @@ class Trainer:
 
         With ``select: best_val`` the returned state is the epoch with the strictly best
         validation accuracy (ties keep the earlier epoch), as in the FedELMY code. A step
-        whose regularised loss is not finite is skipped (FedELMY's −α·d1 is unbounded
-        below, specs/fedelmy.md §7.1).
+        whose regularised loss is not finite is skipped (FedELMY's −α·d1 makes the loss
+        unbounded below when α > β; docs/fedelmy.md).
         """
         start = time.perf_counter()
         model = self.module(device)

@@ -1,9 +1,13 @@
 """The method interface: what every federated-learning method provides.
 
 A method's constructor keywords are its ``algorithm:`` YAML keys (with type hints and
-defaults). ``behaviour(ctx)`` is the generator one node runs (see :mod:`p2pfl.methods.effects`);
-the same object serves every node, so it must keep no per-node state on ``self``.
-``transfers(plan)`` lists the messages it sends, analytically (``p2pfl cost``).
+defaults): the built-in methods are dataclasses whose fields are those keys, so a subclass
+(FedProx of FedAvg, FedFisher of the one-shot base) lists only the keys it adds and checks
+them in ``__post_init__``. ``behaviour(ctx)`` is the generator one node runs (see
+:mod:`p2pfl.methods.effects`); the same object serves every node, so it must keep no
+per-node state on ``self``.
+``transfers(plan)`` lists the messages it sends, analytically (``p2pfl cost``). ``check``
+and ``check_data`` reject, before anything runs, a topology, a model or data it cannot use.
 """
 
 from __future__ import annotations
@@ -12,8 +16,11 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import ClassVar
 
+from torch import nn
+
 from p2pfl.core.errors import ConfigError
 from p2pfl.core.options import Registry
+from p2pfl.data.federated import FederatedData
 from p2pfl.methods.effects import Behaviour, State
 from p2pfl.network.plan import Plan, Transfer
 from p2pfl.network.topology import Topology
@@ -49,7 +56,10 @@ class NodeContext:
 
 
 class Method:
-    """Base class; subclasses set ``name``, ``topologies`` and write ``behaviour``."""
+    """Base class of a method: a keyword-only dataclass whose fields are its ``algorithm:``
+    keys (a subclass lists only the keys it adds), registered with ``@METHODS.register(NAME)``
+    (which sets ``name``). It writes ``behaviour`` and ``total_rounds``, may narrow
+    ``topologies`` or override the checks, and gives ``transfers`` for ``p2pfl cost``."""
 
     name: ClassVar[str]
     #: topology kinds the method runs on; empty means any connected graph.
@@ -63,7 +73,12 @@ class Method:
                 f"{self.name} runs on {' or '.join(self.topologies)}, not on {topology.kind!r}",
             )
 
-    def rounds(self, num_peers: int) -> int:
+    def check_data(self, model: nn.Module, data: FederatedData) -> None:
+        """Raise ``ConfigError`` if the method cannot learn ``model`` (a fresh copy, free to
+        run) from ``data``: a need that spans sections, so the key is a full path such as
+        ``partition.val_fraction``. Runs with the other checks, before anything is written."""
+
+    def total_rounds(self, num_peers: int) -> int:
         """How many rounds the run logs (drives the progress bar and the last evaluation)."""
         raise NotImplementedError
 

@@ -8,7 +8,7 @@ Each has the ``check`` and ``transfers`` of its Fig. 5 cost formula but no behav
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Literal
+from dataclasses import dataclass, field
 
 from p2pfl.core.options import Registry
 from p2pfl.methods.base import Method, NodeContext
@@ -20,12 +20,12 @@ COST_ONLY: Registry[type[Method]] = Registry("cost-only method")
 
 
 @COST_ONLY.register("metafed")
+@dataclass(kw_only=True, eq=False)
 class MetaFed(FedSeq):
     """MetaFed (Chen et al., TNNLS 2023): cyclic knowledge distillation along a ring, an
     accumulation pass then a personalization pass, i.e. FedSeq's chain twice: (2N − 1)·M."""
 
-    def __init__(self, *, order: Literal["index", "random"] = "index") -> None:
-        super().__init__(cycles=2, order=order)
+    cycles: int = field(default=2, init=False)
 
     def behaviour(self, ctx: NodeContext) -> Behaviour:
         raise NotImplementedError("metafed is a cost-only entry")
@@ -37,7 +37,7 @@ class ServerUpload(Method):
 
     topologies = ("star",)
 
-    def rounds(self, num_peers: int) -> int:
+    def total_rounds(self, num_peers: int) -> int:
         return 1
 
     def transfers(self, plan: Plan) -> Iterator[Transfer]:

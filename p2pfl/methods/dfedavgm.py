@@ -7,19 +7,20 @@ w_ij = 1 / (1 + max(deg_i, deg_j)) — symmetric and doubly stochastic; 1/N on a
 1/3 on a ring. One round moves Σ_i deg(i) models. The result is the mean of all peers.
 
 ``relaxed_init: {beta, aggregate}`` adds FedInit's relaxed start (:mod:`p2pfl.methods.relaxed`)
-in its gossip form (specs/fedinit.md §1): a peer starts from its mixed model x̄ + β·(x̄ − its
-last local model). It sends nothing extra.
+in its gossip form (our extension, not in the paper; docs/pans-fedinit.md): a peer starts
+from its mixed model x̄ + β·(x̄ − its last local model). It sends nothing extra.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 
 from p2pfl.core.errors import ConfigError
 from p2pfl.learning.state import average_states
 from p2pfl.methods.base import METHODS, Method, NodeContext
 from p2pfl.methods.effects import Behaviour, Evaluate, Finish, Recv, Send, State, Train
-from p2pfl.methods.relaxed import local_round, parse_relaxed_init
+from p2pfl.methods.relaxed import RelaxedInit, local_round, parse_relaxed_init
 from p2pfl.network.plan import Plan, Transfer
 from p2pfl.network.topology import Topology
 
@@ -33,17 +34,21 @@ def metropolis_weights(topology: Topology, node: int) -> dict[int, float]:
 
 
 @METHODS.register("dfedavgm")
+@dataclass(kw_only=True, eq=False)
 class DFedAvgM(Method):
     """Local momentum SGD, then one gossip-averaging step with the neighbours, per round."""
 
-    def __init__(self, *, rounds: int = 20, relaxed_init: dict | None = None) -> None:
-        if rounds < 1:
-            raise ConfigError("rounds", "must be >= 1")
-        self.num_rounds = rounds
-        self.relaxed = parse_relaxed_init(relaxed_init)
+    rounds: int = 20
+    relaxed_init: dict | None = None
+    relaxed: RelaxedInit | None = field(init=False, repr=False)
 
-    def rounds(self, num_peers: int) -> int:
-        return self.num_rounds
+    def __post_init__(self) -> None:
+        if self.rounds < 1:
+            raise ConfigError("rounds", "must be >= 1")
+        self.relaxed = parse_relaxed_init(self.relaxed_init)
+
+    def total_rounds(self, num_peers: int) -> int:
+        return self.rounds
 
     def check(self, topology: Topology, seed: int) -> None:
         if topology.server is not None:
@@ -55,7 +60,7 @@ class DFedAvgM(Method):
         """Round r (phase r): every peer sends its model to each neighbour, Σ_i deg(i)·M per
         round: N(N−1)·M on a mesh, 2N·M on a ring."""
         topology = plan.topology
-        for r in range(1, self.num_rounds + 1):
+        for r in range(1, self.rounds + 1):
             for i in topology.peers:
                 for j in topology.neighbours(i):
                     yield plan.send(i, j, "model", r, r, plan.state)
@@ -68,7 +73,7 @@ class DFedAvgM(Method):
         weights = metropolis_weights(ctx.topology, ctx.node)
         state = ctx.init_state()
         last = state  # the last local model (FedInit's per-peer state)
-        for r in range(1, self.num_rounds + 1):
+        for r in range(1, self.rounds + 1):
             last, state = yield from local_round(
                 self.relaxed, self.local_train, state, last, ctx.trainable, r
             )

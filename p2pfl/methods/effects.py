@@ -23,18 +23,23 @@ from torch import nn
 from p2pfl.data.federated import PeerData
 from p2pfl.learning.state import State
 from p2pfl.learning.training import Regularizer
+from p2pfl.network.codecs import Codec
 from p2pfl.network.message import Meta
 
 
 @dataclass(frozen=True)
 class Send:
-    """Send ``tensors`` to neighbour ``dst``; returns at once (the uplink queues the transfer)."""
+    """Send ``tensors`` to neighbour ``dst``; returns at once (the uplink queues the transfer).
+
+    ``codec`` packs this message's floating tensors in place of the ``compression:``
+    section's codec for its kind (:mod:`p2pfl.network.codecs`)."""
 
     dst: int
     kind: str
     round: int
     tensors: State
     meta: Meta = field(default_factory=dict)
+    codec: Codec | None = None
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ client's own behaviour; the server and the messages stay exactly as above.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import Literal
 
 from p2pfl.core.errors import ConfigError
@@ -22,35 +23,32 @@ from p2pfl.core.seeding import numpy_rng
 from p2pfl.learning.state import average_states
 from p2pfl.methods.base import METHODS, Method, NodeContext
 from p2pfl.methods.effects import Behaviour, Evaluate, Finish, Recv, Send, State, Train
-from p2pfl.methods.relaxed import local_round, parse_relaxed_init
+from p2pfl.methods.relaxed import RelaxedInit, local_round, parse_relaxed_init
 from p2pfl.network.plan import Plan, Transfer
 
 
 @METHODS.register("fedavg")
+@dataclass(kw_only=True, eq=False)
 class FedAvg(Method):
     """Server-side averaging of locally trained models, with partial participation."""
 
     topologies = ("star",)
 
-    def __init__(
-        self,
-        *,
-        rounds: int = 20,
-        participation: float = 1.0,
-        weighting: Literal["samples", "uniform"] = "samples",
-        relaxed_init: dict | None = None,
-    ) -> None:
-        if rounds < 1:
-            raise ConfigError("rounds", "must be >= 1")
-        if not 0 < participation <= 1:
-            raise ConfigError("participation", "must be in (0, 1]")
-        self.num_rounds = rounds
-        self.participation = participation
-        self.weighting = weighting
-        self.relaxed = parse_relaxed_init(relaxed_init)
+    rounds: int = 20
+    participation: float = 1.0
+    weighting: Literal["samples", "uniform"] = "samples"
+    relaxed_init: dict | None = None
+    relaxed: RelaxedInit | None = field(init=False, repr=False)
 
-    def rounds(self, num_peers: int) -> int:
-        return self.num_rounds
+    def __post_init__(self) -> None:
+        if self.rounds < 1:
+            raise ConfigError("rounds", "must be >= 1")
+        if not 0 < self.participation <= 1:
+            raise ConfigError("participation", "must be in (0, 1]")
+        self.relaxed = parse_relaxed_init(self.relaxed_init)
+
+    def total_rounds(self, num_peers: int) -> int:
+        return self.rounds
 
     def sample(self, peers: list[int], seed: int, round: int) -> list[int]:
         """The peers taking part in ``round`` (seeded, sorted)."""
@@ -63,7 +61,7 @@ class FedAvg(Method):
 
     def server(self, ctx: NodeContext) -> Behaviour:
         state = ctx.init_state()
-        for r in range(1, self.num_rounds + 1):
+        for r in range(1, self.rounds + 1):
             chosen = self.sample(ctx.peers, ctx.seed, r)
             for p in chosen:
                 yield Send(p, "model", r, state)
@@ -76,7 +74,7 @@ class FedAvg(Method):
             state = average_states([m.tensors for m in models], weights)
             yield Evaluate(state, r)
         for p in ctx.peers:
-            yield Send(p, "control", self.num_rounds, {}, {"stop": True})
+            yield Send(p, "control", self.rounds, {}, {"stop": True})
         yield Finish(state, output=True)
 
     def client(self, ctx: NodeContext) -> Behaviour:
@@ -97,7 +95,7 @@ class FedAvg(Method):
         """Round r: K models down (phase 2r−1), K models and, with ``weighting: samples``, K
         sample counts up (phase 2r); then N stop messages. R·(2K·M + K·C_n) + N·C_stop."""
         server, peers = plan.topology.server, plan.topology.peers
-        for r in range(1, self.num_rounds + 1):
+        for r in range(1, self.rounds + 1):
             chosen = self.sample(peers, plan.seed, r)
             for p in chosen:
                 yield plan.send(server, p, "model", r, 2 * r - 1, plan.state)
@@ -106,7 +104,7 @@ class FedAvg(Method):
                 if self.weighting == "samples":
                     meta = {"num_samples": plan.num_train[p]}
                     yield plan.send(p, server, "control", r, 2 * r, meta=meta)
-        last, stop = self.num_rounds, 2 * self.num_rounds + 1
+        last, stop = self.rounds, 2 * self.rounds + 1
         for p in peers:
             yield plan.send(server, p, "control", last, stop, meta={"stop": True})
 

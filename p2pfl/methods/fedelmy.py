@@ -1,6 +1,7 @@
 """FedELMY (Wang et al., ACM MM 2024): one-shot sequential FL with a diverse local model pool.
 
-Spec: ``specs/fedelmy.md``. Peers form FedSeq's chain. The first peer warms the shared init
+Paper §3 (Alg. 1), App. B (Alg. 2) and App. C (Alg. 3); choices in docs/fedelmy.md.
+Peers form FedSeq's chain. The first peer warms the shared init
 up for ``warmup_epochs``; every peer then grows a pool from the model m0 it received: model
 j starts from the uniform mean of the pool so far and trains on
 
@@ -8,7 +9,7 @@ j starts from the uniform mean of the pool so far and trains on
 
 d1 = mean distance to the pool's models (plus the frozen start, as in the official code),
 d2 = distance to m0, a = a power-of-ten scale that keeps the distances about an order of
-magnitude below the loss (§2.3). Each model keeps its best-validation epoch when
+magnitude below the loss (App. A). Each model keeps its best-validation epoch when
 ``train.select`` is ``best_val``. The peer forwards the mean of its S+1 models, so one
 cycle moves N−1 models and ``cycles: T`` moves T·N−1 (Alg. 2, warm-up once). The last
 peer's pool mean is the output. ``variant: parallel`` is Alg. 3: on a complete mesh every
@@ -26,6 +27,7 @@ import math
 import warnings
 from collections import defaultdict
 from collections.abc import Iterator
+from dataclasses import dataclass
 from functools import partial
 from typing import Literal
 
@@ -56,13 +58,14 @@ from p2pfl.network.topology import Topology
 Dist = Literal["l2sq", "l2", "l1", "cosine"]
 L2_EPS = 1e-12
 """Added under the square root of ``l2``: its gradient is NaN where θ equals the anchor,
-which is the first step of every pool's first model (spec §2.2)."""
+which is the first step of every pool's first model (docs/fedelmy.md)."""
 MIN_CE = 1e-8
-"""``log_scale`` clamps the loss here: a batch's CE can be exactly 0 in float32 (spec §2.3)."""
+"""``log_scale`` clamps the loss here: a batch's CE can be exactly 0 in float32
+(docs/fedelmy.md)."""
 
 
 def distance(theta: list[Tensor], anchor: list[Tensor], kind: Dist) -> Tensor:
-    """dist(θ, a) between two parameter lists, as a scalar tensor (spec §2.2).
+    """dist(θ, a) between two parameter lists, as a scalar tensor (Eqs. 7–8, Fig. 9).
 
     ``l2sq`` Σ(θ−a)² (the official code), ``l2`` sqrt(Σ(θ−a)² + 1e-12) (the paper's
     Eqs. 7–8), ``l1`` Σ|θ−a|, ``cosine`` 1 − ⟨θ, a⟩ / (‖θ‖·‖a‖).
@@ -81,7 +84,7 @@ def distance(theta: list[Tensor], anchor: list[Tensor], kind: Dist) -> Tensor:
 
 def log_scale(ce: float, d: float) -> float:
     """The official code's ``scale_to_order_of_magnitude``: a power of ten a ≥ 1 such that
-    d/a sits about one order of magnitude below ``ce`` (spec §2.3); 1 when d is 0.
+    d/a sits about one order of magnitude below ``ce`` (the paper's App. A); 1 when d is 0.
 
     ``ce`` is clamped at 1e-8 so a zero loss cannot crash ``log10``; a loss or distance
     that is not finite also gives 1 (the trainer skips that step).
@@ -94,7 +97,7 @@ def log_scale(ce: float, d: float) -> float:
 
 
 class PoolRegularizer:
-    """The FedELMY terms −α·d1/a1 + β·d2/a2 for one pool model (spec §2.1–2.3).
+    """The FedELMY terms −α·d1/a1 + β·d2/a2 for one pool model (Eqs. 7–9, App. A).
 
     ``anchors`` are the states d1 averages over, ``m0`` the received model. With
     ``scale_key: d2`` (the code) one a = log_scale(ce, d2) divides both terms; ``separate``
@@ -180,45 +183,36 @@ def pool_distances(pool: list[State], module: nn.Module, data: PeerData, device:
 
 
 @METHODS.register("fedelmy")
+@dataclass(kw_only=True, eq=False)
 class FedELMY(FedSeq):
     """FedSeq's chain, where each peer trains a diverse pool and forwards its mean."""
 
-    def __init__(
-        self,
-        *,
-        pool_size: int = 3,
-        alpha: float = 1.0,
-        beta: float = 1.0,
-        warmup_epochs: int = 5,
-        cycles: int = 1,
-        order: Literal["index", "random"] = "index",
-        variant: Literal["sequential", "parallel"] = "sequential",
-        dist: Dist = "l2sq",
-        scale_key: Literal["d2", "separate", "none"] = "d2",
-        send: Literal["mean", "last"] = "mean",
-        anchor_start: bool = True,
-    ) -> None:
-        super().__init__(cycles=cycles, order=order)
-        for key, value in (("pool_size", pool_size), ("warmup_epochs", warmup_epochs)):
+    pool_size: int = 3
+    alpha: float = 1.0
+    beta: float = 1.0
+    warmup_epochs: int = 5
+    variant: Literal["sequential", "parallel"] = "sequential"
+    dist: Dist = "l2sq"
+    scale_key: Literal["d2", "separate", "none"] = "d2"
+    send: Literal["mean", "last"] = "mean"
+    anchor_start: bool = True
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for key, value in (("pool_size", self.pool_size), ("warmup_epochs", self.warmup_epochs)):
             if value < 0:
                 raise ConfigError(key, "must be >= 0")
-        for key, value in (("alpha", alpha), ("beta", beta)):
+        for key, value in (("alpha", self.alpha), ("beta", self.beta)):
             if value < 0:
                 raise ConfigError(key, "must be >= 0")
-        if variant == "parallel" and cycles > 1:
+        if self.variant == "parallel" and self.cycles > 1:
             raise ConfigError("cycles", "the parallel variant (Alg. 3) runs one round only")
-        if alpha > beta:
+        if self.alpha > self.beta:
             warnings.warn(
-                f"fedelmy: alpha {alpha} > beta {beta} makes the loss unbounded below "
-                "(specs/fedelmy.md §7.1); non-finite steps are skipped",
-                stacklevel=2,
+                f"fedelmy: alpha {self.alpha} > beta {self.beta} makes the loss unbounded below "
+                "(docs/fedelmy.md); non-finite steps are skipped",
+                stacklevel=3,
             )
-        self.pool_size = pool_size
-        self.alpha, self.beta = alpha, beta
-        self.warmup_epochs = warmup_epochs
-        self.variant = variant
-        self.dist, self.scale_key, self.send = dist, scale_key, send
-        self.anchor_start = anchor_start
 
     def check(self, topology: Topology, seed: int) -> None:
         if self.variant == "sequential":
@@ -229,8 +223,8 @@ class FedELMY(FedSeq):
         ):
             raise ConfigError("kind", "fedelmy variant parallel (Alg. 3) needs a complete mesh")
 
-    def rounds(self, num_peers: int) -> int:
-        return 1 if self.variant == "parallel" else super().rounds(num_peers)
+    def total_rounds(self, num_peers: int) -> int:
+        return 1 if self.variant == "parallel" else super().total_rounds(num_peers)
 
     def behaviour(self, ctx: NodeContext) -> Behaviour:
         return self.parallel(ctx) if self.variant == "parallel" else super().behaviour(ctx)
@@ -248,7 +242,7 @@ class FedELMY(FedSeq):
                     yield plan.send(i, j, "model", 1, 1, plan.state)
 
     def warmup(self, state: State, round: int) -> Train:
-        """Plain-CE training of the start model for ``warmup_epochs`` (spec §2.1 (e))."""
+        """Plain-CE training of the start model for ``warmup_epochs`` (Alg. 1, line 1)."""
         return Train(state, round, tag="warmup", overrides={"epochs": self.warmup_epochs})
 
     def turn(self, ctx: NodeContext, received: State, hop: int) -> Behaviour:
@@ -256,7 +250,7 @@ class FedELMY(FedSeq):
         if hop == 1 and self.warmup_epochs:
             received = (yield self.warmup(received, hop)).state
         pool = yield from self.grow_pool(received, hop)
-        yield from self.describe(pool, hop, last=hop == self.rounds(len(ctx.peers)))
+        yield from self.describe(pool, hop, last=hop == self.total_rounds(len(ctx.peers)))
         return pool[-1] if self.send == "last" else average_states(pool)
 
     def parallel(self, ctx: NodeContext) -> Behaviour:
@@ -284,7 +278,7 @@ class FedELMY(FedSeq):
         for j in range(1, self.pool_size + 1):
             start = average_states(pool)
             reg = self.regularizer(pool + [start] if self.anchor_start else pool, m0)
-            # Model 1 draws FedSeq's batch order, so S = 1 with α = β = 0 is FedSeq (§8.5).
+            # Model 1 draws FedSeq's batch order, so S = 1 with α = β = 0 is FedSeq (tested).
             result = yield Train(start, round, tag="" if j == 1 else f"pool{j}", regularizer=reg)
             pool.append(result.state)
             stats = {"val_accuracy": result.val_accuracy, "skipped_steps": result.skipped_steps}

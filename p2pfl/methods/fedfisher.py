@@ -3,13 +3,13 @@
 Each peer trains once, computes the true Fisher F̂_i of its final model w_i on its own data
 (``fisher: diag`` or ``kfac``, :mod:`p2pfl.learning.curvature`) and uploads (w_i, F̂_i, n_i) once.
 The aggregator minimizes the Laplace surrogate Φ(θ) = ½ Σ_i p_i (θ − w_i)^T F̂_i (θ − w_i)
-from the one-shot FedAvg point w̄ = Σ p_i w_i (spec §2.4), whose gradient is
+from the one-shot FedAvg point w̄ = Σ p_i w_i (eqs. 5–7, Lemma 1, Alg. 1), whose gradient is
 
     diag: F̄ ⊙ θ − b                      with F̄ = Σ p_i f_i,  b = Σ p_i f_i ⊙ w_i
     kfac: Σ_i p_i G_il Θ_l A_il − B_l     per layer, B_l = Σ_i p_i G_il W_il A_il,
 
-for ``steps`` steps of ``server_opt``: ``ref_adam`` is the spec's update (the reference
-code's for Diag), m ← g + β1·m, v ← g² + β2·v, θ ← θ − lr·m / (√v + eps) (no (1−β)
+for ``steps`` steps of ``server_opt``: ``ref_adam`` is the reference code's "Adam" (App. D.3;
+its routine for Diag), m ← g + β1·m, v ← g² + β2·v, θ ← θ − lr·m / (√v + eps) (no (1−β)
 factors, no bias correction, eps outside the root); ``ref_adam_root`` puts eps inside the
 root, θ ← θ − lr·m / √(v + eps), as the reference code's K-FAC routine does (ten times
 smaller steps where |g| ≪ √eps); ``torch_adam`` is torch.optim.Adam with the same lr,
@@ -22,7 +22,8 @@ step t with t % ``val_every`` = 0, and the final one; ``select`` chooses among t
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Literal
+from dataclasses import dataclass, replace
+from typing import Literal, cast
 
 import torch
 from torch import Tensor
@@ -179,42 +180,31 @@ def fedfisher(
 
 
 @METHODS.register("fedfisher")
+@dataclass(kw_only=True, eq=False)
 class FedFisher(OneShot):
     """One-shot Fisher-weighted aggregation, diagonal or K-FAC."""
 
-    def __init__(
-        self,
-        *,
-        fisher: Literal["diag", "kfac"] = "kfac",
-        steps: int = 2000,
-        lr: float = 0.01,
-        server_opt: Literal["ref_adam", "ref_adam_root", "torch_adam", "gd"] = "ref_adam",
-        betas: tuple[float, float] = (0.9, 0.99),
-        eps: float = 0.01,
-        val_every: int = 100,
-        placement: Literal["star", "mesh"] = "star",
-        compress: bool = False,
-        triangle: bool = True,
-        select: Literal["val", "final"] = "val",
-        baselines: tuple[str, ...] = ("fedavg", "fisher_merge", "regmean"),
-    ) -> None:
-        if steps < 0:
+    fisher: Literal["diag", "kfac"] = "kfac"
+    steps: int = 2000
+    lr: float = 0.01
+    server_opt: Literal["ref_adam", "ref_adam_root", "torch_adam", "gd"] = "ref_adam"
+    betas: tuple[float, float] = (0.9, 0.99)
+    eps: float = 0.01
+    val_every: int = 100
+    baselines: tuple[str, ...] = ("fedavg", "fisher_merge", "regmean")
+
+    def __post_init__(self) -> None:
+        if self.steps < 0:
             raise ConfigError("steps", "must be >= 0")
-        if lr <= 0:
+        if self.lr <= 0:
             raise ConfigError("lr", "must be > 0")
-        if not all(0 <= b < 1 for b in betas):
+        if not all(0 <= b < 1 for b in self.betas):
             raise ConfigError("betas", "must be in [0, 1)")
-        if eps < 0:
+        if self.eps < 0:
             raise ConfigError("eps", "must be >= 0")
-        if val_every < 1:
+        if self.val_every < 1:
             raise ConfigError("val_every", "must be >= 1")
-        self.fisher = fisher
-        self.steps, self.lr, self.server_opt = steps, lr, server_opt
-        self.betas, self.eps, self.val_every = betas, eps, val_every
-        super().__init__(
-            placement=placement, compress=compress, triangle=triangle, select=select,
-            baselines=baselines,
-        )  # fmt: skip
+        super().__post_init__()
 
     @property
     def label(self) -> str:
@@ -234,10 +224,8 @@ class FedFisher(OneShot):
         )
 
     def baseline(self, name: str) -> OneShot:
+        """The other FedFisher variant keeps this run's server keys."""
         if name.startswith("fedfisher_"):
-            return FedFisher(
-                fisher=name.removeprefix("fedfisher_"), steps=self.steps, lr=self.lr,
-                server_opt=self.server_opt, betas=self.betas, eps=self.eps,
-                val_every=self.val_every, **self.common(),
-            )  # fmt: skip
+            fisher = cast(Literal["diag", "kfac"], name.removeprefix("fedfisher_"))
+            return replace(self, fisher=fisher, baselines=())
         return super().baseline(name)

@@ -1,11 +1,11 @@
 """FedProx (Li et al., 2020): FedAvg whose local loss adds (mu/2)·‖w − w_global‖².
 
 With ``relaxed_init`` the anchor is the relaxed start, the model the training begins from
-(specs/fedinit.md §2.1)."""
+(FedInit's Table 2 plugs the relaxed start into FedProx; docs/pans-fedinit.md)."""
 
 from __future__ import annotations
 
-from typing import Literal
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -29,25 +29,16 @@ def proximal(anchor: State, mu: float) -> Regularizer:
 
 
 @METHODS.register("fedprox")
+@dataclass(kw_only=True, eq=False)
 class FedProx(FedAvg):
-    def __init__(
-        self,
-        *,
-        rounds: int = 20,
-        participation: float = 1.0,
-        weighting: Literal["samples", "uniform"] = "samples",
-        mu: float = 0.01,
-        relaxed_init: dict | None = None,
-    ) -> None:
-        super().__init__(
-            rounds=rounds,
-            participation=participation,
-            weighting=weighting,
-            relaxed_init=relaxed_init,
-        )
-        if mu < 0:
+    """FedAvg with a proximal term on the local loss."""
+
+    mu: float = 0.01
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.mu < 0:
             raise ConfigError("mu", "must be >= 0")
-        self.mu = mu
 
     def local_train(self, state: State, round: int) -> Train:
         return Train(state, round, regularizer=proximal(state, self.mu) if self.mu else None)

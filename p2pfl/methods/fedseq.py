@@ -8,6 +8,7 @@ the first and the chain repeats, T·N−1 models in all. The output is the last 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Literal
 
 from p2pfl.core.errors import ConfigError
@@ -19,14 +20,16 @@ from p2pfl.network.topology import Topology
 
 
 @METHODS.register("fedseq")
+@dataclass(kw_only=True, eq=False)
 class FedSeq(Method):
     """Sequential training along a chain of peers (one or more cycles)."""
 
-    def __init__(self, *, cycles: int = 1, order: Literal["index", "random"] = "index") -> None:
-        if cycles < 1:
+    cycles: int = 1
+    order: Literal["index", "random"] = "index"
+
+    def __post_init__(self) -> None:
+        if self.cycles < 1:
             raise ConfigError("cycles", "must be >= 1")
-        self.cycles = cycles
-        self.order = order
 
     def chain(self, peers: list[int], seed: int) -> list[int]:
         """The visiting order of the peers."""
@@ -47,7 +50,7 @@ class FedSeq(Method):
             if not topology.graph.has_edge(a, b):
                 raise ConfigError("kind", f"{self.name} needs a link {a}->{b} for its chain order")
 
-    def rounds(self, num_peers: int) -> int:
+    def total_rounds(self, num_peers: int) -> int:
         return self.cycles * num_peers
 
     def behaviour(self, ctx: NodeContext) -> Behaviour:

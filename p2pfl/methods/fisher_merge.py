@@ -1,4 +1,4 @@
-"""Fisher merging (Matena & Raffel, 2022) as a one-shot FL baseline (FedFisher spec §3).
+"""Fisher merging (Matena & Raffel, 2022) as a one-shot FL baseline (FedFisher, §5.1, App. D.3).
 
 Each peer uploads its model and its diagonal true Fisher F_i; the merge is elementwise
 
@@ -10,6 +10,8 @@ Fisher as 16-bit codes (as FedFisher(Diag)). Keys as in :class:`OneShot`.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -36,6 +38,7 @@ def fisher_merge(uploads: list[Upload], floor: float = FLOOR) -> State:
 
 
 @METHODS.register("fisher_merge")
+@dataclass(kw_only=True, eq=False)
 class FisherMerge(OneShot):
     """Diagonal-Fisher weighted average of the local models, in one shot."""
 

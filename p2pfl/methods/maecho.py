@@ -3,17 +3,19 @@
 Each peer trains its own model once, then computes one projection matrix P per layer from
 its own data and sends, once, its weights (a ``model`` message) and its P's with its label
 set (a ``statistics`` message). The aggregator looks for one model W whose change relative
-to every local model falls in that peer's feature null space (specs/ma-echo.md §2.4, the
-official code's recipe):
+to every local model falls in that peer's feature null space (§5.2 and Alg. 1, in the
+official code's form; docs/maecho.md):
 
     W^l = mean_i W_i^l,  V_i^l = W_i^l;  classifier = class-aware mean, never iterated
     repeat tau times, per layer:  W ← W − η Σ_i α_i (W − V_i) P_i
                                   V_i ← V_i + η · [norm]((W − V_i)(I − P_i))
 
 P is the *span* projector; the recursion builds the null-space projector Q = I − P with one
-damped rank-1 update per mini-batch-mean feature row (§2.2). Weight matrices have output
-neurons as rows (a conv kernel viewed as C_out × C_in·k_h·k_w); a bias is one more input
-column fed by a constant 1 (§2.5). Layers other than Linear/Conv2d (BatchNorm) are averaged.
+damped rank-1 update per mini-batch-mean feature row (§4's null-space projection, computed
+"iteratively, as in OWM" like the official code). Weight matrices have output neurons as rows
+(a conv kernel viewed as C_out × C_in·k_h·k_w); a bias is one more input column fed by a
+constant 1 (:func:`p2pfl.learning.curvature.as_matrix`). Layers other than Linear/Conv2d
+(BatchNorm) are averaged.
 
 Placement ``star``: the centre aggregates and returns the model. ``mesh``: every peer sends
 to every other and aggregates for itself, in peer order, so all end with the same model.
@@ -24,10 +26,10 @@ output ensembles of the same local models.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass
 from functools import partial
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -36,12 +38,14 @@ from torch import Tensor, nn
 
 from p2pfl.core.errors import ConfigError
 from p2pfl.core.seeding import derive_seed
-from p2pfl.data.federated import PeerData
+from p2pfl.data.federated import FederatedData, PeerData
+from p2pfl.learning.curvature import as_matrix, from_matrix, state_layer
 from p2pfl.learning.state import average_states
-from p2pfl.methods.base import METHODS, Method, NodeContext
+from p2pfl.methods.base import METHODS, NodeContext
 from p2pfl.methods.effects import (
     Behaviour,
     Compute,
+    Effect,
     Evaluate,
     Finish,
     Recv,
@@ -50,9 +54,9 @@ from p2pfl.methods.effects import (
     State,
     Train,
 )
+from p2pfl.methods.oneshot.placement import UploadOnce, star_centre
 from p2pfl.network.message import Message
 from p2pfl.network.plan import Plan, Transfer
-from p2pfl.network.topology import Topology
 
 CONV_STRIDE = 2
 """Stride of the patches a conv layer's batch-mean input map is cut into (no padding), [C]."""
@@ -132,7 +136,8 @@ def local_statistics(
     ridge_conv: float,
 ) -> Statistics:
     """One pass (eval mode, seeded shuffle) over the peer's train set; each mini-batch adds
-    the mean input of every layer but the classifier to that layer's recursion (spec §2.2).
+    the mean input of every layer but the classifier to that layer's recursion (as the
+    official code does; docs/maecho.md).
 
     Runs as a ``Compute`` effect, with the trained state loaded into ``module``.
     """
@@ -218,23 +223,6 @@ def class_aware_mean(states: list[State], layer: str, weights: Tensor) -> State:
     return out
 
 
-def layer_matrix(state: State, layer: str) -> Tensor:
-    """``layer``'s weights as a float64 C_out × d matrix, its bias (if any) as a last column."""
-    w = state[f"{layer}.weight"]
-    m = w.reshape(len(w), -1).double()
-    bias = state.get(f"{layer}.bias")
-    return m if bias is None else torch.cat([m, bias.double()[:, None]], 1)
-
-
-def from_matrix(m: Tensor, layer: str, ref: State) -> State:
-    """The inverse of :func:`layer_matrix`, cast to ``ref``'s shapes and dtypes."""
-    w = ref[f"{layer}.weight"]
-    out = {f"{layer}.weight": m[:, : w[0].numel()].reshape(w.shape).to(w.dtype)}
-    if f"{layer}.bias" in ref:
-        out[f"{layer}.bias"] = m[:, -1].to(ref[f"{layer}.bias"].dtype)
-    return out
-
-
 def qp_weights(diffs: Tensor, c: float) -> Tensor:
     """α minimising ‖Σ_i α_i D_i‖²_F subject to Σα = 1, 0 ≤ α ≤ C: the dual QP of the
     paper's w-step, solved with CVXOPT on the Gram matrix scaled to max |G| = 1.
@@ -290,7 +278,7 @@ def echo(
     qp_c: float | None = None,
     output: Literal["W", "mean_V"] = "W",
 ) -> Tensor:
-    """The iterative W / V updates of one layer (spec §2.4); returns W, or the mean of the V_i.
+    """The iterative W / V updates of one layer (§5.2, Alg. 1); returns W, or the mean of the V_i.
 
     ``ws`` stacks the N local C_out × d matrices and ``ps`` their d × d span projectors, all
     float64. α is uniform, or the QP's solution each step when ``qp_c`` is set.
@@ -345,10 +333,11 @@ def aggregate(
     weights = class_weights([c.stats.labels for c in contributions])
     out.update(class_aware_mean(states, first.classifier, weights))
     for layer in first.projectors:
-        ws = torch.stack([layer_matrix(s, layer) for s in states])
+        info = state_layer(out, layer)
+        ws = torch.stack([as_matrix(s, info).double() for s in states])
         ps = torch.stack([c.stats.projectors[layer] for c in contributions])
         m = echo(ws, ps, tau=tau, eta=eta, norm=norm, qp_c=qp_c, output=output)
-        out.update(from_matrix(m, layer, out))
+        out.update({k: v.to(out[k].dtype) for k, v in from_matrix(m, info).items()})
     return out
 
 
@@ -356,76 +345,68 @@ def aggregate(
 
 
 @METHODS.register("maecho")
-class MAEcho(Method):
+@dataclass(kw_only=True, eq=False)
+class MAEcho(UploadOnce):
     """One-shot aggregation with null-space projection matrices (star or full mesh)."""
 
-    def __init__(
-        self,
-        *,
-        placement: Literal["star", "mesh"] = "star",
-        tau: int = 60,
-        eta: float = 1.6,
-        norm: bool = False,
-        damping: float = 0.5,
-        ridge: float = 0.01**0.8,
-        ridge_conv: float = 1e-4,
-        batch_size: int = 64,
-        output: Literal["W", "mean_V"] = "W",
-        qp: bool = False,
-        qp_c: float = 1.0,
-        rank: int | None = None,
-        ensemble: bool = True,
-    ) -> None:
-        if tau < 0:
+    tau: int = 60
+    eta: float = 1.6
+    norm: bool = False
+    damping: float = 0.5
+    ridge: float = 0.01**0.8
+    ridge_conv: float = 1e-4
+    batch_size: int = 64
+    output: Literal["W", "mean_V"] = "W"
+    qp: bool = False
+    qp_c: float = 1.0
+    rank: int | None = None
+    ensemble: bool = True
+
+    def __post_init__(self) -> None:
+        if self.tau < 0:
             raise ConfigError("tau", "must be >= 0")
-        if eta <= 0:
+        if self.eta <= 0:
             raise ConfigError("eta", "must be > 0")
-        if not 0 < damping <= 1:
+        if not 0 < self.damping <= 1:
             raise ConfigError("damping", "must be in (0, 1]")
-        for key, value in (("ridge", ridge), ("ridge_conv", ridge_conv)):
+        for key, value in (("ridge", self.ridge), ("ridge_conv", self.ridge_conv)):
             if value <= 0:
                 raise ConfigError(key, "must be > 0")
-        if batch_size < 1:
+        if self.batch_size < 1:
             raise ConfigError("batch_size", "must be >= 1")
-        if not 0 < qp_c <= 1:
+        if not 0 < self.qp_c <= 1:
             raise ConfigError("qp_c", "must be in (0, 1]")
-        if rank is not None and rank < 1:
+        if self.rank is not None and self.rank < 1:
             raise ConfigError("rank", "must be >= 1 (or null for the full matrices)")
-        self.placement = placement
-        self.tau = tau
-        self.eta = eta
-        self.norm = norm
-        self.damping = damping
-        self.ridge = ridge
-        self.ridge_conv = ridge_conv
-        self.batch_size = batch_size
-        self.output = output
-        self.qp_c = qp_c if qp else None
-        self.rank = rank
-        self.ensemble = ensemble
 
-    def check(self, topology: Topology, seed: int) -> None:
-        if self.placement == "star" and topology.server is None:
-            raise ConfigError(
-                "kind", f"maecho with placement: star needs kind: star, not {topology.kind!r}"
-            )
-        n = topology.num_peers
-        complete = topology.graph.number_of_edges() == n * (n - 1) // 2
-        if self.placement == "mesh" and (topology.server is not None or not complete):
-            raise ConfigError(
-                "kind",
-                f"maecho with placement: mesh needs a complete graph of peers (kind: mesh), "
-                f"not {topology.kind!r}",
-            )
-
-    def rounds(self, num_peers: int) -> int:
-        return 1
-
-    def targets(self, topology: Topology, node: int) -> list[int]:
-        """Where a peer uploads: the star's centre, or every other peer (mesh)."""
-        if self.placement == "star":
-            return [topology.server]
-        return [p for p in topology.peers if p != node]
+    def check_data(self, model: nn.Module, data: FederatedData) -> None:
+        """Every iterated conv layer is cut into kernel-sized patches of its input map,
+        without padding (:func:`feature_rows`): each kernel must fit its map, which one
+        blank sample through ``model`` measures."""
+        try:
+            *iterated, _ = layers(model)
+        except ValueError as e:
+            raise ConfigError("model.name", str(e)) from None
+        sizes: dict[str, tuple[int, ...]] = {}
+        convs = [(n, m) for n, m in iterated if isinstance(m, nn.Conv2d)]
+        hooks = [
+            m.register_forward_pre_hook(lambda _, x, n=n: sizes.update({n: x[0].shape[-2:]}))
+            for n, m in convs
+        ]
+        try:
+            with torch.no_grad():
+                model.eval()(torch.zeros(1, *data.input_shape))
+        finally:
+            for hook in hooks:
+                hook.remove()
+        for name, m in convs:
+            if any(k > s for k, s in zip(m.kernel_size, sizes[name], strict=True)):
+                raise ConfigError(
+                    "model.name",
+                    f"maecho cuts each conv layer's input into unpadded kernel-sized patches; "
+                    f"{name}'s kernel {tuple(m.kernel_size)} does not fit its "
+                    f"{'x'.join(map(str, sizes[name]))} input",
+                )
 
     def transfers(self, plan: Plan) -> Iterator[Transfer]:
         """Phase 1: every peer uploads its model M and its statistics S (per iterated layer a
@@ -445,10 +426,7 @@ class MAEcho(Method):
                 yield plan.send(p, dst, "statistics", 1, 1, stats, meta)
         if self.placement == "star":
             for p in plan.topology.peers:
-                yield plan.send(plan.topology.server, p, "model", 1, 2, plan.state)
-
-    def behaviour(self, ctx: NodeContext) -> Behaviour:
-        return self.centre(ctx) if ctx.is_server else self.peer(ctx)
+                yield plan.send(star_centre(plan.topology), p, "model", 1, 2, plan.state)
 
     def peer(self, ctx: NodeContext) -> Behaviour:
         """Train, compute the statistics, upload once; then aggregate (mesh) or wait (star)."""
@@ -489,7 +467,9 @@ class MAEcho(Method):
             yield Send(p, "model", 1, model)
         yield Finish(model, output=True)
 
-    def combine(self, received: dict[int, Contribution], report: bool) -> Behaviour:
+    def combine(
+        self, received: dict[int, Contribution], report: bool
+    ) -> Generator[Effect, Any, State]:
         """Aggregate in peer order; with ``report``, also record the one-shot baselines."""
         ordered = [received[p] for p in sorted(received)]
         if report:
@@ -500,8 +480,9 @@ class MAEcho(Method):
                 yield Report("ensemble", states)
                 masks = [c.stats.labels for c in ordered]
                 yield Report("ensemble_masked", states, class_weights(masks))
+        qp_c = self.qp_c if self.qp else None
         return aggregate(
-            ordered, tau=self.tau, eta=self.eta, norm=self.norm, qp_c=self.qp_c, output=self.output
+            ordered, tau=self.tau, eta=self.eta, norm=self.norm, qp_c=qp_c, output=self.output
         )
 
 

@@ -1,4 +1,4 @@
-"""RegMean (Jin et al., 2023) as a one-shot FL baseline (FedFisher spec §3, pitfall 13).
+"""RegMean (Jin et al., 2023) as a one-shot FL baseline (FedFisher, §5.1, App. D.3).
 
 Each peer uploads its model and, per ``nn.Linear`` layer, the Gram G_i = X_i^T X_i / n_i of
 that layer's inputs over its training data. Per linear layer, with the off-diagonal of
@@ -15,7 +15,7 @@ factorization, like K-FAC factors.
 
 from __future__ import annotations
 
-from typing import Literal
+from dataclasses import dataclass
 
 import torch
 
@@ -44,28 +44,18 @@ def regmean(uploads: list[Upload], offdiag: float) -> State:
 
 
 @METHODS.register("regmean")
+@dataclass(kw_only=True, eq=False)
 class RegMean(OneShot):
     """Per-layer closed-form regression merge from the peers' input Grams, in one shot."""
 
     needs = ("gram",)
 
-    def __init__(
-        self,
-        *,
-        offdiag: tuple[float, ...] = (0.1, 0.9),
-        placement: Literal["star", "mesh"] = "star",
-        compress: bool = False,
-        triangle: bool = True,
-        select: Literal["val", "final"] = "val",
-        baselines: tuple[str, ...] = ("fedavg",),
-    ) -> None:
-        if not offdiag or not all(0 <= a <= 1 for a in offdiag):
+    offdiag: tuple[float, ...] = (0.1, 0.9)
+
+    def __post_init__(self) -> None:
+        if not self.offdiag or not all(0 <= a <= 1 for a in self.offdiag):
             raise ConfigError("offdiag", "must list values in [0, 1]")
-        self.offdiag = offdiag
-        super().__init__(
-            placement=placement, compress=compress, triangle=triangle, select=select,
-            baselines=baselines,
-        )  # fmt: skip
+        super().__post_init__()
 
     def count(self) -> int:
         return len(self.offdiag)

@@ -1,5 +1,5 @@
-"""FedInit's relaxed initialization (Sun, Shen, Tao, NeurIPS 2023; specs/fedinit.md), a
-plug-in for multi-round methods.
+"""FedInit's relaxed initialization (Sun, Shen, Tao, NeurIPS 2023; the poster's Alg. 1 and
+Table 2), a plug-in for multi-round methods.
 
 A peer that receives a model w starts its local training from w + β·(w − last), where
 ``last`` is the model its own previous local training ended at (the shared init before its

@@ -1,7 +1,7 @@
 """Peer profiles: where a peer computes, how fast, and its default links.
 
-A profile file (``peers/*.yaml``) describes a population; ``build_peers`` turns it into one
-:class:`PeerProfile` per peer, drawing the seeded speed spread. Simulated compute time for a
+A profile file (``peers/*.yaml``) describes a population; ``build_population`` turns it into
+one :class:`PeerProfile` per peer, drawing the seeded speed spread. Simulated compute time for a
 training step is ``FLOPs / (flops_per_s * speed)`` (``compute: model``, deterministic) or the
 step's measured wall time divided by ``speed`` (``compute: measured``, not reproducible).
 """
@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from p2pfl.core.errors import ConfigError
-from p2pfl.core.options import bind
 from p2pfl.core.seeding import numpy_rng
 from p2pfl.network.topology import DEFAULT_LINK, Link, make_link
 
@@ -29,7 +28,8 @@ class PeerProfile:
 
 @dataclass(frozen=True)
 class Population:
-    """The profiles of all peers plus what they share."""
+    """The peers of a run (the ``peers:`` section): one profile per peer plus what they
+    share."""
 
     profiles: list[PeerProfile]
     flops_per_s: float
@@ -38,7 +38,9 @@ class Population:
     batched: bool = False
 
 
-def population(
+def build_population(
+    seed: int,
+    /,
     *,
     count: int,
     device: str = "cpu",
@@ -50,8 +52,9 @@ def population(
     slow_fraction: float = 0.0,
     slow_factor: float = 0.1,
     batched: bool = False,
-) -> dict[str, Any]:
-    """The keys of the ``peers:`` section (and of a profile file); returns them checked.
+) -> Population:
+    """The population of a run: its keyword arguments are the keys of the ``peers:`` section
+    (and of a profile file); each peer's speed is drawn from the run's ``seed``.
 
     - ``count``: number of data-holding peers.
     - ``device``: ``cpu``, ``cuda``, ``cuda:N`` or ``auto`` (cuda when available).
@@ -79,21 +82,13 @@ def population(
         raise ConfigError("speed_sigma", "must be >= 0")
     if not 0 <= slow_fraction <= 1:
         raise ConfigError("slow_fraction", "must be in [0, 1]")
-    return dict(locals())
-
-
-def build_peers(options: dict[str, Any], seed: int) -> Population:
-    """Bind the ``peers:`` options and draw each peer's speed from the run's seed."""
-    kw = bind(population, options)
-    population(**kw)
-    n = kw["count"]
-    rng = numpy_rng(seed, "peer-speeds")
-    speeds = kw["speed"] * rng.lognormal(0.0, kw["speed_sigma"], size=n)
-    slow = rng.permutation(n)[: round(kw["slow_fraction"] * n)]
-    speeds[slow] *= kw["slow_factor"]
     try:
-        link = make_link(kw["link"] or {}, DEFAULT_LINK)
+        shared_link = make_link(link or {}, DEFAULT_LINK)
     except ConfigError as e:
         raise e.within("link") from None
-    profiles = [PeerProfile(device=kw["device"], speed=float(s)) for s in speeds]
-    return Population(profiles, kw["flops_per_s"], kw["compute"], link, kw["batched"])
+    rng = numpy_rng(seed, "peer-speeds")
+    speeds = speed * rng.lognormal(0.0, speed_sigma, size=count)
+    slow = rng.permutation(count)[: round(slow_fraction * count)]
+    speeds[slow] *= slow_factor
+    profiles = [PeerProfile(device=device, speed=float(s)) for s in speeds]
+    return Population(profiles, flops_per_s, compute, shared_link, batched)

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from p2pfl.network.codecs import Compression
+from p2pfl.network.codecs import Codec, Compression, choose
 from p2pfl.network.message import Message, Meta, Tensors
 from p2pfl.network.topology import Topology
 from p2pfl.network.wire import frame_sizes
@@ -56,16 +56,21 @@ class Plan:
     model_bytes: int | None = None
     _sizes: dict[tuple, int] = field(default_factory=dict, repr=False)
 
-    def size(self, kind: str, tensors: Tensors, meta: Meta | None = None) -> int:
-        """Bytes of one message with these tensors and meta (cached by shapes and meta)."""
+    def size(
+        self, kind: str, tensors: Tensors, meta: Meta | None = None, codec: Codec | None = None
+    ) -> int:
+        """Bytes of one message with these tensors and meta, sent under the ``compression``
+        or its own ``codec`` (cached by shapes, meta and codec)."""
         meta = meta or {}
         key = (
             kind,
             tuple((n, t.dtype, tuple(t.shape)) for n, t in tensors.items()),
             json.dumps(meta, sort_keys=True),
+            codec,
         )
         if key not in self._sizes:
-            head, body = frame_sizes(Message(kind, 0, 0, 0, tensors, meta), self.compression)
+            compression = choose(self.compression, kind, codec)
+            head, body = frame_sizes(Message(kind, 0, 0, 0, tensors, meta), compression)
             if self.model_bytes is None:
                 self._sizes[key] = head + body
             else:
@@ -82,6 +87,9 @@ class Plan:
         phase: int,
         tensors: Tensors | None = None,
         meta: Meta | None = None,
+        codec: Codec | None = None,
     ) -> Transfer:
-        """The transfer of one message (no tensors: a control message with only ``meta``)."""
-        return Transfer(src, dst, kind, round, phase, self.size(kind, tensors or {}, meta))
+        """The transfer of one message (no tensors: a control message with only ``meta``);
+        ``codec`` as in :class:`p2pfl.methods.effects.Send`."""
+        size = self.size(kind, tensors or {}, meta, codec)
+        return Transfer(src, dst, kind, round, phase, size)

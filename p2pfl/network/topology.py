@@ -7,13 +7,14 @@ the peer profile's link defaults, which win over :data:`DEFAULT_LINK`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import networkx as nx
 
 from p2pfl.core.errors import ConfigError
-from p2pfl.core.options import Registry, bind
+from p2pfl.core.options import Registry, bind, bind_with_common
 
 
 @dataclass(frozen=True)
@@ -68,7 +69,9 @@ class Topology:
         return "server" if node == self.server else str(node)
 
 
-GRAPHS: Registry = Registry("topology kind")
+GraphFn = Callable[..., nx.Graph]
+"""``fn(num_peers, seed, *, <keys>) -> nx.Graph`` over peers 0..N-1; its keys are YAML keys."""
+GRAPHS: Registry[GraphFn] = Registry("topology kind")
 
 
 @GRAPHS.register("ring")
@@ -131,6 +134,50 @@ def edges(n: int, seed: int, *, edges: list[list[int]]) -> nx.Graph:
     return g
 
 
+def _shared_keys(
+    *, link: dict[str, Any] | None = None, links: list[dict[str, Any]] | None = None
+) -> None:
+    """The keys every topology kind takes besides its graph's own (see :func:`build_topology`)."""
+
+
+def parse_topology(
+    options: dict[str, Any], link_defaults: Link = DEFAULT_LINK
+) -> tuple[GraphFn, dict[str, Any], Link, list[tuple[list[Any], dict[str, Any]]]]:
+    """Check a ``topology:`` mapping as far as it can be without the peer count: its kind,
+    every key's name and type, the links. Returns the graph builder, its keys, the default
+    link, and each per-edge override as (its two ends, its link keys)."""
+    opts = dict(options)
+    kind = opts.pop("kind", None)
+    if kind is None:
+        raise ConfigError("kind", f"missing; choose one of: {', '.join(GRAPHS.names())}")
+    try:
+        make = GRAPHS.get(kind)
+    except ConfigError as e:
+        raise ConfigError("kind", e.message) from None
+    own, shared = bind_with_common(make, _shared_keys, opts, skip=2, also=("kind", "file"))
+    try:
+        base = make_link(shared["link"] or {}, link_defaults)
+    except ConfigError as e:
+        raise e.within("link") from None
+    overrides = [_override(ov, f"links.{i}") for i, ov in enumerate(shared["links"] or [])]
+    return make, own, base, overrides
+
+
+def _override(override: Any, key: str) -> tuple[list[Any], dict[str, Any]]:
+    """One ``links`` entry as (its two ends, its link keys), both checked."""
+    if not isinstance(override, dict) or "between" not in override:
+        raise ConfigError(key, "must be a mapping with 'between: [u, v]' and link keys")
+    ov = dict(override)
+    ends = ov.pop("between")
+    if not isinstance(ends, list) or len(ends) != 2:
+        raise ConfigError(f"{key}.between", f"must be two nodes [u, v], got {ends!r}")
+    try:
+        make_link(ov)
+    except ConfigError as e:
+        raise e.within(key) from None
+    return ends, ov
+
+
 def build_topology(
     options: dict[str, Any], num_peers: int, seed: int, link_defaults: Link = DEFAULT_LINK
 ) -> Topology:
@@ -140,43 +187,23 @@ def build_topology(
     keys, ``link`` (defaults for every edge) and ``links`` (per-edge overrides, each
     ``{between: [u, v], latency_s, bandwidth_bps}``; the server of a star is ``"server"``).
     """
-    opts = dict(options)
-    kind = opts.pop("kind", None)
-    if kind is None:
-        raise ConfigError("kind", f"missing; choose one of: {', '.join(GRAPHS.names())}")
-    try:
-        make = GRAPHS.get(kind)
-    except ConfigError as e:
-        raise ConfigError("kind", e.message) from None
-    link_opts = opts.pop("link", {}) or {}
-    overrides = opts.pop("links", []) or []
-    if not isinstance(link_opts, dict):
-        raise ConfigError("link", "must be a mapping {latency_s, bandwidth_bps}")
+    make, own, base, overrides = parse_topology(options, link_defaults)
+    kind = options["kind"]
     if num_peers < 2:
         raise ConfigError("kind", f"a {kind} needs at least 2 peers, got {num_peers}")
-    graph = make(num_peers, seed, **bind(make, opts, skip=2))
+    graph = make(num_peers, seed, **own)
     if not nx.is_connected(graph):
         raise ConfigError("kind", "the graph is not connected")
-    try:
-        base = make_link(link_opts, link_defaults)
-    except ConfigError as e:
-        raise e.within("link") from None
     nx.set_edge_attributes(graph, base, "link")
     server = num_peers if kind == "star" else None
     topo = Topology(kind=kind, graph=graph, num_peers=num_peers, server=server)
-    for i, ov in enumerate(overrides):
-        _apply_override(topo, ov, f"links.{i}")
+    for i, (ends, link) in enumerate(overrides):
+        key = f"links.{i}"
+        nodes = [topo.server if v == "server" else v for v in ends]
+        if not all(isinstance(v, int) and v in graph for v in nodes) or not graph.has_edge(*nodes):
+            raise ConfigError(f"{key}.between", f"{ends} is not an edge of the graph")
+        try:
+            topo.graph.edges[nodes]["link"] = make_link(link, topo.graph.edges[nodes]["link"])
+        except ConfigError as e:
+            raise e.within(key) from None
     return topo
-
-
-def _apply_override(topo: Topology, override: Any, key: str) -> None:
-    if not isinstance(override, dict) or "between" not in override:
-        raise ConfigError(key, "must be a mapping with 'between: [u, v]' and link keys")
-    ov = dict(override)
-    ends = [topo.server if v == "server" else v for v in ov.pop("between")]
-    if len(ends) != 2 or not topo.graph.has_edge(*ends):
-        raise ConfigError(f"{key}.between", f"{override['between']} is not an edge of the graph")
-    try:
-        topo.graph.edges[ends]["link"] = make_link(ov, topo.graph.edges[ends]["link"])
-    except ConfigError as e:
-        raise e.within(key) from None

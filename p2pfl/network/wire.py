@@ -7,9 +7,10 @@ Frame layout (all integers little-endian)::
     schema (UTF-8 JSON): {"meta": {...}, "tensors": [{name, dtype, shape[, codec, k]}, ...]}
     tensor bytes, back to back
 
-A tensor entry names the tensor's own dtype and shape. With ``codec`` (``fp16``, ``int8``
-or ``topk`` with its count ``k``) its bytes are the codec's packing (:mod:`p2pfl.network.codecs`),
-chosen per message kind by ``encode``'s ``compression``; decoding restores dtype and shape.
+A tensor entry names the tensor's own dtype and shape. With ``codec`` (a registered codec's
+name, plus its fields, e.g. top-k's count ``k``) its bytes are the codec's packing
+(:mod:`p2pfl.network.codecs`), chosen per message kind by ``encode``'s ``compression``;
+decoding restores dtype and shape.
 
 The fields that change from message to message (sender, receiver, round, checksum) have
 fixed widths, so two messages with the same tensors and meta have exactly the same size:

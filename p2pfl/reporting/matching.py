@@ -1,6 +1,6 @@
 """Neuron matching: how well the hidden units of two models stay aligned by index.
 
-The measure of the PANs paper (§5.2, specs/pans.md §2.7): feed the same held-out samples to
+The measure of the PANs paper (§5.2, Figs. 7, 18, 19): feed the same held-out samples to
 both models, take every hidden unit's activations (after its layer, normalisation and
 position encoding, before the non-linearity; a conv channel reduced to its spatial maximum),
 match the units of one model to the other's with the Hungarian method on the Euclidean

@@ -189,7 +189,7 @@ def traffic_figure(lines: list[tuple[str, list[Run]]]) -> Figure:
         edges = list(topology.graph.edges)
         values = [np.mean([b[frozenset(e)] for b in per_run]) / 1e6 for e in edges]
         drawn.append((name, topology, edges, values))
-    top = max(max(v) for *_, v in drawn) or 1.0
+    top = float(max(max(v) for *_, v in drawn)) or 1.0
     norm, cmap = Normalize(0, top), colormaps["viridis"]
     cols = min(3, len(drawn))
     rows = -(-len(drawn) // cols)

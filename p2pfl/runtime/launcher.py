@@ -17,6 +17,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -34,7 +35,7 @@ from p2pfl.network.codecs import from_section
 from p2pfl.network.ledger import Ledger
 from p2pfl.network.message import Message
 from p2pfl.network.wire import decode, encode
-from p2pfl.reporting.metrics import MetricsLog
+from p2pfl.reporting.reporters import CsvReporter, Reporter
 from p2pfl.runtime.setup import Setup
 from p2pfl.runtime.sockets import TransportConfig, ZmqNode
 from p2pfl.runtime.worker import Worker
@@ -50,21 +51,30 @@ class Outcome:
     comm: dict[str, Any]
 
 
-def node_id(setup: Setup, name: str) -> int:
-    """``"server"`` or a peer number -> the node id; a clear error otherwise."""
+def node_id(setup: Setup, name: str, key: str = "--peer") -> int:
+    """``"server"`` or a peer number -> the node id; a clear error (naming ``key``) otherwise."""
     topo = setup.topology
     if name == "server" and topo.server is not None:
         return topo.server
     if name.isdigit() and int(name) < topo.num_peers:
         return int(name)
     names = ", ".join(topo.name(n) for n in sorted(topo.graph.nodes))
-    raise ConfigError("--peer", f"no node {name!r} in this topology; nodes are: {names}")
+    raise ConfigError(key, f"no node {name!r} in this topology; nodes are: {names}")
 
 
 def read_addresses(path: Path, setup: Setup) -> dict[int, str]:
     """An addresses file: a YAML mapping from node names to ``tcp://host:port``."""
     table = read_yaml(path, "addresses file")
-    out = {node_id(setup, str(k)): v for k, v in table.items()}
+    out = {}
+    for name, address in table.items():
+        try:
+            node = node_id(setup, str(name), key=str(name))
+        except ConfigError as e:
+            e.file = str(path)
+            raise
+        if not isinstance(address, str) or not re.fullmatch(r"tcp://\S+:\d+", address):
+            raise ConfigError(str(name), f"must be tcp://HOST:PORT, got {address!r}", str(path))
+        out[node] = address
     missing = [setup.topology.name(n) for n in setup.topology.graph.nodes if n not in out]
     if missing:
         raise ConfigError("", f"no address for node(s) {', '.join(missing)}", file=str(path))
@@ -83,10 +93,10 @@ def run_peer(
     name = setup.topology.name(node)
     mine = out / "peers" / name
     mine.mkdir(parents=True, exist_ok=True)
-    metrics, ledger = MetricsLog(mine / "metrics.csv"), Ledger(mine / "comm.csv")
+    metrics, ledger = CsvReporter(mine), Ledger(mine / "comm.csv")
     worker = Worker(
         setup.trainer, setup.data, setup.train, setup.population, setup.topology, setup.seed,
-        metrics, setup.eval.every, setup.method.rounds(setup.topology.num_peers), out,
+        metrics, setup.eval.every, setup.method.total_rounds(setup.topology.num_peers), out,
     )  # fmt: skip
     zn = ZmqNode(
         node, setup.topology, worker, ledger, transport, from_section(setup.config["compression"])
@@ -131,8 +141,9 @@ def _handshake(zn: ZmqNode, coordinator: str, transport: TransportConfig) -> dic
     return {int(k): v for k, v in start["addresses"].items()}
 
 
-def launch(setup: Setup, out: Path, config_file: Path) -> Outcome:
-    """Run every node of ``setup`` as its own process on this host; merge their outputs."""
+def launch(setup: Setup, out: Path, config_file: Path, reporters: Reporter) -> Outcome:
+    """Run every node of ``setup`` as its own process on this host; merge their outputs
+    (their metric rows go to ``reporters``, in time order)."""
     transport = TransportConfig(**setup.config["transport"])
     context = zmq.Context()
     ctl = context.socket(zmq.ROUTER)
@@ -162,7 +173,7 @@ def launch(setup: Setup, out: Path, config_file: Path) -> Outcome:
         _stop(procs)
         ctl.close()
         context.term()
-        comm = _merge(out, nodes, setup)
+        comm = _merge(out, nodes, setup, reporters)
     return Outcome(*_collect(out, nodes, setup), time.monotonic() - start, comm)
 
 
@@ -221,17 +232,16 @@ def _rows(path: Path) -> list[list[str]]:
         return list(csv.reader(f))[1:]
 
 
-def _merge(out: Path, nodes: list[int], setup: Setup) -> dict[str, Any]:
-    """Merge the peers' metrics and comm files into the run's, ordered by time."""
+def _merge(out: Path, nodes: list[int], setup: Setup, reporters: Reporter) -> dict[str, Any]:
+    """Replay the peers' metric rows into ``reporters`` and merge their comm files into the
+    run's, ordered by time."""
     names = [setup.topology.name(n) for n in nodes]
     metrics = sorted(
         (r for n in names for r in _rows(out / "peers" / n / "metrics.csv")),
         key=lambda r: float(r[0]),
     )
-    with (out / "metrics.csv").open("w", newline="") as f:
-        writer = csv.writer(f)
-        writer.writerow(["time", "round", "peer", "metric", "value"])
-        writer.writerows(metrics)
+    for t, rnd, peer, metric, value in metrics:
+        reporters.log(float(t), int(rnd), peer, metric, float(value))
     ledger = Ledger(out / "comm.csv")
     comm = sorted(
         (r for n in names for r in _rows(out / "peers" / n / "comm.csv")), key=lambda r: float(r[0])

@@ -9,7 +9,7 @@
   counted against the waiting ``Recv``, so a node wakes once, when it has them all.
 - ``Train`` and ``Compute`` advance the node's clock by their modelled (or measured) time.
   With ``peers.batched``, trainings overlapping in simulated time run as one batched call
-  (``runtime/batching.py``); the clock and the event order are unchanged.
+  (:mod:`p2pfl.runtime.train_batcher`); the clock and the event order are unchanged.
 - ``Evaluate``, ``Report``, ``Artifact``, ``Log`` and ``Finish`` take no simulated time.
 
 Event order is deterministic, so the same config and seed replay bit for bit. If every
@@ -27,7 +27,7 @@ import simpy
 
 from p2pfl.core.errors import RunError
 from p2pfl.methods.effects import Behaviour, Finish, Recv, Send, Train
-from p2pfl.network.codecs import Compression
+from p2pfl.network.codecs import Compression, choose
 from p2pfl.network.ledger import Ledger
 from p2pfl.network.message import Message
 from p2pfl.network.topology import Link, Topology
@@ -80,7 +80,7 @@ class SimRuntime:
             what = "; ".join(
                 f"{self.topology.name(n)} waits for {self._describe(n)}" for n in stuck
             )
-            raise RunError(f"deadlock at t={self.env.now:.3f}s: {what}")
+            raise RunError(f"deadlock: {what}")  # the caller adds the time
         return self.finals
 
     @property
@@ -137,7 +137,7 @@ class SimRuntime:
                 "which is not its neighbour"
             )
         msg = Message(eff.kind, src, eff.dst, eff.round, eff.tensors, eff.meta)
-        received, size = deliver(msg, self.compression)
+        received, size = deliver(msg, choose(self.compression, eff.kind, eff.codec))
         queue = self.uplink[src]
         queue.append((received, size, self.env.now, self.topology.link(src, eff.dst)))
         if len(queue) == 1:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,7 +25,7 @@ from zmq.auth.thread import ThreadAuthenticator
 
 from p2pfl.core.errors import ConfigError, RunError
 from p2pfl.methods.effects import Behaviour, Finish, Recv, Send
-from p2pfl.network.codecs import Compression
+from p2pfl.network.codecs import Compression, choose
 from p2pfl.network.ledger import Ledger
 from p2pfl.network.message import Message
 from p2pfl.network.topology import Topology
@@ -66,6 +67,17 @@ class CurveKeys:
         if not path.is_file():
             raise ConfigError("transport.curve_keys", f"no public key {path}")
         return zmq.auth.load_certificate(path)[0]
+
+
+def check_curve_keys(transport: TransportConfig, topology: Topology, nodes: Iterable[int]) -> None:
+    """Load, up front, every CURVE key that ``nodes`` will: each one's own pair and its
+    neighbours' public keys (a ``ConfigError`` naming the missing file)."""
+    if transport.curve_keys is None:
+        return
+    for node in nodes:
+        keys = CurveKeys(transport.curve_keys, topology.name(node))
+        for other in topology.neighbours(node):
+            keys.public_of(topology.name(other))
 
 
 class ZmqNode:
@@ -163,7 +175,8 @@ class ZmqNode:
             raise RunError(f"{self.name} sent to {self.topology.name(eff.dst)}, not a neighbour")
         msg = Message(eff.kind, self.node, eff.dst, eff.round, eff.tensors, eff.meta)
         try:
-            self.outboxes[eff.dst].send_multipart(encode_parts(msg, self.compression), copy=False)
+            compression = choose(self.compression, eff.kind, eff.codec)
+            self.outboxes[eff.dst].send_multipart(encode_parts(msg, compression), copy=False)
         except zmq.Again:
             raise RunError(
                 f"{self.name} could not hand a message to {self.topology.name(eff.dst)} "

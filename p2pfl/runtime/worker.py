@@ -23,7 +23,7 @@ from p2pfl.methods.effects import Artifact, Compute, Effect, Evaluate, Log, Repo
 from p2pfl.network.peers import Population
 from p2pfl.network.topology import Topology
 from p2pfl.reporting.heatmap import save_heatmap, save_matrix_csv
-from p2pfl.reporting.metrics import MetricsLog
+from p2pfl.reporting.reporters import Reporter
 
 
 class Worker:
@@ -37,7 +37,7 @@ class Worker:
         population: Population,
         topology: Topology,
         seed: int,
-        metrics: MetricsLog,
+        metrics: Reporter,
         eval_every: int,
         total_rounds: int,
         out: Path | None = None,

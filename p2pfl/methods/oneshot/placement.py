@@ -1,0 +1,68 @@
+"""Where a one-shot upload goes: the base of every method whose peers upload once.
+
+``placement: star``: every peer uploads to the star's centre, which aggregates and sends the
+model back. ``placement: mesh``: every peer uploads to every other peer of a complete graph
+and aggregates for itself, in peer order, so all peers end with the same model. Shared by
+the one-shot merges (:mod:`p2pfl.methods.oneshot.protocol`) and MA-Echo.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from p2pfl.core.errors import ConfigError
+from p2pfl.methods.base import Method, NodeContext
+from p2pfl.methods.effects import Behaviour
+from p2pfl.network.topology import Topology
+
+
+@dataclass(kw_only=True, eq=False)
+class UploadOnce(Method):
+    """A one-shot method: ``peer`` runs on every peer, ``centre`` on a star's centre."""
+
+    placement: Literal["star", "mesh"] = "star"
+
+    def check(self, topology: Topology, seed: int) -> None:
+        if self.placement == "star" and topology.server is None:
+            raise ConfigError(
+                "kind",
+                f"{self.name} with placement: star needs kind: star, not {topology.kind!r}",
+            )
+        complete = all(
+            len(topology.neighbours(p)) == topology.num_peers - 1 for p in topology.peers
+        )
+        if self.placement == "mesh" and (topology.server is not None or not complete):
+            raise ConfigError(
+                "kind",
+                f"{self.name} with placement: mesh needs a complete graph of peers (kind: mesh), "
+                f"not {topology.kind!r}",
+            )
+
+    def total_rounds(self, num_peers: int) -> int:
+        return 1
+
+    def targets(self, topology: Topology, node: int) -> list[int]:
+        """Where a peer uploads: the star's centre, or every other peer (mesh)."""
+        if self.placement == "star":
+            return [star_centre(topology)]
+        return [p for p in topology.peers if p != node]
+
+    def behaviour(self, ctx: NodeContext) -> Behaviour:
+        return self.centre(ctx) if ctx.is_server else self.peer(ctx)
+
+    def peer(self, ctx: NodeContext) -> Behaviour:
+        """A peer: train, compute what it uploads, upload; then aggregate (mesh) or wait
+        for the centre's model (star)."""
+        raise NotImplementedError
+
+    def centre(self, ctx: NodeContext) -> Behaviour:
+        """The star's centre: aggregate every upload, send the model back."""
+        raise NotImplementedError
+
+
+def star_centre(topology: Topology) -> int:
+    """The star's centre (``check`` has made sure there is one)."""
+    if topology.server is None:
+        raise ValueError(f"a {topology.kind!r} topology has no centre")
+    return topology.server
