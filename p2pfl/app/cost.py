@@ -196,7 +196,7 @@ def analyse(
         method = make_method(name, keys, setup.config["algorithm"])
         note = "cost only (not runnable)" if name in COST_ONLY else ""
         for topology in topologies:
-            row = {"method": item, "topology": topology.kind, "rounds": None}
+            row: dict[str, Any] = {"method": item, "topology": topology.kind, "rounds": None}
             try:
                 method.check(topology, setup.seed)
             except ConfigError as e:

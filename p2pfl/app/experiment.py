@@ -168,9 +168,9 @@ def _summary_head(setup: Setup) -> dict[str, Any]:
 def final_state(finals: dict[int, Finish], topology: Topology) -> State:
     """The run's output model: the ``output`` Finish (their mean if several agree to be
     outputs), else the uniform mean of the peers' final models."""
-    outputs = [f.state for f in finals.values() if f.output and f.state is not None]
+    outputs = [s for f in finals.values() if f.output and (s := f.state) is not None]
     if not outputs:
-        outputs = [finals[p].state for p in topology.peers if finals[p].state is not None]
+        outputs = [s for p in topology.peers if (s := finals[p].state) is not None]
     if not outputs:
         raise RunError("no node finished with a model")
     return outputs[0] if len(outputs) == 1 else average_states(outputs)

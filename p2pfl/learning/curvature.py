@@ -43,10 +43,14 @@ class LayerInfo:
         return cls(name, weight_shape, bias, weight_shape[0], math.prod(weight_shape[1:]) + bias)
 
 
-def covered_layers(model: nn.Module) -> dict[str, nn.Module]:
+Layer = nn.Linear | nn.Conv2d
+"""A layer whose curvature the statistics cover."""
+
+
+def covered_layers(model: nn.Module) -> dict[str, Layer]:
     """The Linear and Conv2d layers by module name; any other trainable parameter is an
     error, since its curvature would need a block of its own."""
-    layers: dict[str, nn.Module] = {}
+    layers: dict[str, Layer] = {}
     for name, module in model.named_modules():
         own = [p for p in module.parameters(recurse=False) if p.requires_grad]
         if isinstance(module, nn.Linear | nn.Conv2d):
@@ -64,7 +68,7 @@ def covered_layers(model: nn.Module) -> dict[str, nn.Module]:
     return layers
 
 
-def layer_info(name: str, module: nn.Module) -> LayerInfo:
+def layer_info(name: str, module: Layer) -> LayerInfo:
     """A Linear or Conv2d module as a :class:`LayerInfo`."""
     return LayerInfo.of(name, tuple(module.weight.shape), module.bias is not None)
 
@@ -93,7 +97,9 @@ def from_matrix(matrix: Tensor, layer: LayerInfo) -> dict[str, Tensor]:
 def _inputs(module: nn.Module, x: Tensor) -> Tensor:
     """Layer inputs as [B, T, a]: unfolded patches for a conv, T = 1 for a linear layer."""
     if isinstance(module, nn.Conv2d):
-        x = F.unfold(x, module.kernel_size, module.dilation, module.padding, module.stride)
+        padding = module.padding
+        assert not isinstance(padding, str)  # covered_layers admits zero padding only
+        x = F.unfold(x, module.kernel_size, module.dilation, padding, module.stride)
         x = x.transpose(1, 2)
     else:
         x = x.reshape(x.shape[0], -1, x.shape[-1])
@@ -161,7 +167,7 @@ def curvature(
 def _accumulate(
     acc: dict[str, dict[str, Tensor]],
     kinds: tuple[str, ...],
-    layers: dict[str, nn.Module],
+    layers: dict[str, Layer],
     infos: dict[str, LayerInfo],
     seen: dict[str, tuple[Tensor, Tensor]],
     logits: Tensor,

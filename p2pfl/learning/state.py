@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
+from typing import cast
+
 import torch
 from torch import Tensor
 
 State = dict[str, Tensor]
 """A model's (or any message's) named tensors, as ``nn.Module.state_dict()`` returns them."""
+
+
+def tensor_sum(terms: Iterable[Tensor]) -> Tensor:
+    """Python's ``sum`` of tensors, left to right (so the bits are those of ``sum``), typed:
+    a non-empty sum of tensors is a tensor."""
+    return cast(Tensor, sum(terms))
 
 
 def state_bytes(state: State) -> int:
@@ -19,7 +28,7 @@ def clone_state(state: State) -> State:
     return {k: v.detach().to("cpu", copy=True) for k, v in state.items()}
 
 
-def average_states(states: list[State], weights: list[float] | None = None) -> State:
+def average_states(states: Sequence[State], weights: Sequence[float] | None = None) -> State:
     """Weighted mean of state dicts with identical keys, shapes and dtypes.
 
     Weights default to uniform and are normalised here. Floating tensors are accumulated in

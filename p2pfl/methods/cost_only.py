@@ -42,7 +42,7 @@ class ServerUpload(Method):
 
     def transfers(self, plan: Plan) -> Iterator[Transfer]:
         for p in plan.topology.peers:
-            yield plan.send(p, plan.topology.server, "model", 1, 1, plan.state)
+            yield plan.send(p, plan.topology.hub, "model", 1, 1, plan.state)
 
 
 @COST_ONLY.register("dense")

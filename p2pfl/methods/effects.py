@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -25,6 +25,8 @@ from p2pfl.learning.state import State
 from p2pfl.learning.training import Regularizer
 from p2pfl.network.codecs import Codec
 from p2pfl.network.message import Meta
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -137,3 +139,6 @@ class Finish:
 
 Effect = Send | Recv | Train | Compute | Evaluate | Report | Artifact | Log | Finish
 Behaviour = Generator[Effect, Any, None]
+"""A node's whole behaviour: it yields effects and gets each one's result back."""
+Steps = Generator[Effect, Any, T]
+"""Part of a behaviour that ends with a value: ``x = yield from part(...)``."""

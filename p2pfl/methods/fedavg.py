@@ -94,7 +94,7 @@ class FedAvg(Method):
     def transfers(self, plan: Plan) -> Iterator[Transfer]:
         """Round r: K models down (phase 2r−1), K models and, with ``weighting: samples``, K
         sample counts up (phase 2r); then N stop messages. R·(2K·M + K·C_n) + N·C_stop."""
-        server, peers = plan.topology.server, plan.topology.peers
+        server, peers = plan.topology.hub, plan.topology.peers
         for r in range(1, self.rounds + 1):
             chosen = self.sample(peers, plan.seed, r)
             for p in chosen:

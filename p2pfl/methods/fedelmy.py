@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 import warnings
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Literal
@@ -36,7 +36,7 @@ from torch import Tensor, nn
 
 from p2pfl.core.errors import ConfigError
 from p2pfl.data.federated import PeerData
-from p2pfl.learning.state import average_states
+from p2pfl.learning.state import average_states, tensor_sum
 from p2pfl.methods.base import METHODS, NodeContext
 from p2pfl.methods.effects import (
     Artifact,
@@ -49,6 +49,7 @@ from p2pfl.methods.effects import (
     Report,
     Send,
     State,
+    Steps,
     Train,
 )
 from p2pfl.methods.fedseq import FedSeq
@@ -64,21 +65,21 @@ MIN_CE = 1e-8
 (docs/fedelmy.md)."""
 
 
-def distance(theta: list[Tensor], anchor: list[Tensor], kind: Dist) -> Tensor:
+def distance(theta: Sequence[Tensor], anchor: Sequence[Tensor], kind: Dist) -> Tensor:
     """dist(θ, a) between two parameter lists, as a scalar tensor (Eqs. 7–8, Fig. 9).
 
     ``l2sq`` Σ(θ−a)² (the official code), ``l2`` sqrt(Σ(θ−a)² + 1e-12) (the paper's
     Eqs. 7–8), ``l1`` Σ|θ−a|, ``cosine`` 1 − ⟨θ, a⟩ / (‖θ‖·‖a‖).
     """
     if kind == "cosine":
-        dot = sum((t * a).sum() for t, a in zip(theta, anchor, strict=True))
-        norm_t = torch.sqrt(sum(t.pow(2).sum() for t in theta))
-        norm_a = torch.sqrt(sum(a.pow(2).sum() for a in anchor))
+        dot = tensor_sum((t * a).sum() for t, a in zip(theta, anchor, strict=True))
+        norm_t = torch.sqrt(tensor_sum(t.pow(2).sum() for t in theta))
+        norm_a = torch.sqrt(tensor_sum(a.pow(2).sum() for a in anchor))
         return 1 - dot / (norm_t * norm_a).clamp_min(L2_EPS)
     diffs = [t - a for t, a in zip(theta, anchor, strict=True)]
     if kind == "l1":
-        return sum(d.abs().sum() for d in diffs)
-    squared = sum(d.pow(2).sum() for d in diffs)
+        return tensor_sum(d.abs().sum() for d in diffs)
+    squared = tensor_sum(d.pow(2).sum() for d in diffs)
     return squared if kind == "l2sq" else torch.sqrt(squared + L2_EPS)
 
 
@@ -150,7 +151,7 @@ class PoolRegularizer:
             if self.dist == "l2sq":
                 d1 = distance(theta, anchors[0], "l2sq") + spread
             else:
-                d1 = sum(distance(theta, a, self.dist) for a in anchors) / len(anchors)
+                d1 = tensor_sum(distance(theta, a, self.dist) for a in anchors) / len(anchors)
             values["d1"] = d1.item()
             values["scale_d1"] = self._scale(values, "d1")
             total = total - self.alpha * d1 / values["scale_d1"]
@@ -199,11 +200,8 @@ class FedELMY(FedSeq):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        for key, value in (("pool_size", self.pool_size), ("warmup_epochs", self.warmup_epochs)):
-            if value < 0:
-                raise ConfigError(key, "must be >= 0")
-        for key, value in (("alpha", self.alpha), ("beta", self.beta)):
-            if value < 0:
+        for key in ("pool_size", "warmup_epochs", "alpha", "beta"):
+            if getattr(self, key) < 0:
                 raise ConfigError(key, "must be >= 0")
         if self.variant == "parallel" and self.cycles > 1:
             raise ConfigError("cycles", "the parallel variant (Alg. 3) runs one round only")
@@ -245,7 +243,7 @@ class FedELMY(FedSeq):
         """Plain-CE training of the start model for ``warmup_epochs`` (Alg. 1, line 1)."""
         return Train(state, round, tag="warmup", overrides={"epochs": self.warmup_epochs})
 
-    def turn(self, ctx: NodeContext, received: State, hop: int) -> Behaviour:
+    def turn(self, ctx: NodeContext, received: State, hop: int) -> Steps[State]:
         """Warm up (first hop only), grow the pool, forward its mean (or its last model)."""
         if hop == 1 and self.warmup_epochs:
             received = (yield self.warmup(received, hop)).state
@@ -271,7 +269,7 @@ class FedELMY(FedSeq):
         yield Evaluate(final, 1)
         yield Finish(final)
 
-    def grow_pool(self, m0: State, round: int) -> Behaviour:
+    def grow_pool(self, m0: State, round: int) -> Steps[list[State]]:
         """Train ``pool_size`` models, each from the mean of the pool so far; return the
         pool [m0, m1, ..., mS]."""
         pool = [m0]

@@ -30,6 +30,7 @@ from torch import Tensor
 
 from p2pfl.core.errors import ConfigError
 from p2pfl.learning.curvature import as_matrix, from_matrix
+from p2pfl.learning.state import tensor_sum
 from p2pfl.methods.base import METHODS
 from p2pfl.methods.effects import State
 from p2pfl.methods.oneshot import OneShot, Upload, fedavg, shares
@@ -47,7 +48,9 @@ class Surrogate:
         if fisher == "diag":
             self.names = list(uploads[0].stats["diag"])
             self.fbar = {
-                n: sum(pi * u.stats["diag"][n].double() for pi, u in zip(p, uploads, strict=True))
+                n: tensor_sum(
+                    pi * u.stats["diag"][n].double() for pi, u in zip(p, uploads, strict=True)
+                )
                 for n in self.names
             }
             points = [{n: u.state[n].double() for n in self.names} for u in uploads]
@@ -72,11 +75,11 @@ class Surrogate:
                 for u in uploads
             ]
         self.start = {
-            n: sum(pi * w[n] for pi, w in zip(p, points, strict=True)) for n in self.names
+            n: tensor_sum(pi * w[n] for pi, w in zip(p, points, strict=True)) for n in self.names
         }
         if fisher == "diag":
             self.b = {
-                n: sum(
+                n: tensor_sum(
                     pi * u.stats["diag"][n].double() * w[n]
                     for pi, u, w in zip(p, uploads, points, strict=True)
                 )

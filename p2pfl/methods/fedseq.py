@@ -14,7 +14,7 @@ from typing import Literal
 from p2pfl.core.errors import ConfigError
 from p2pfl.core.seeding import numpy_rng
 from p2pfl.methods.base import METHODS, Method, NodeContext
-from p2pfl.methods.effects import Behaviour, Evaluate, Finish, Recv, Send, State, Train
+from p2pfl.methods.effects import Behaviour, Evaluate, Finish, Recv, Send, State, Steps, Train
 from p2pfl.network.plan import Plan, Transfer
 from p2pfl.network.topology import Topology
 
@@ -83,7 +83,7 @@ class FedSeq(Method):
         """The model the first peer starts from."""
         return ctx.init_state()
 
-    def turn(self, ctx: NodeContext, received: State, hop: int) -> Behaviour:
+    def turn(self, ctx: NodeContext, received: State, hop: int) -> Steps[State]:
         """One peer's work on the received model; returns the model to forward."""
         result = yield Train(received, hop)
         return result.state

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from p2pfl.learning.state import tensor_sum
 from p2pfl.methods.base import METHODS
 from p2pfl.methods.effects import State
 from p2pfl.methods.oneshot import OneShot, Upload, fedavg, shares
@@ -28,8 +29,8 @@ def fisher_merge(uploads: list[Upload], floor: float = FLOOR) -> State:
     p = shares(uploads)
     for name in uploads[0].stats["diag"]:
         f = [u.stats["diag"][name].double() for u in uploads]
-        total = sum(pi * fi for pi, fi in zip(p, f, strict=True))
-        weighted = sum(
+        total = tensor_sum(pi * fi for pi, fi in zip(p, f, strict=True))
+        weighted = tensor_sum(
             pi * fi * u.state[name].double() for pi, fi, u in zip(p, f, uploads, strict=True)
         )
         merged = torch.where(total >= floor, weighted / total.clamp_min(floor), out[name].double())

@@ -39,7 +39,7 @@ from torch import Tensor, nn
 from p2pfl.core.errors import ConfigError
 from p2pfl.core.seeding import derive_seed
 from p2pfl.data.federated import FederatedData, PeerData
-from p2pfl.learning.curvature import as_matrix, from_matrix, state_layer
+from p2pfl.learning.curvature import Layer, as_matrix, from_matrix, state_layer
 from p2pfl.learning.state import average_states
 from p2pfl.methods.base import METHODS, NodeContext
 from p2pfl.methods.effects import (
@@ -96,22 +96,24 @@ def owm_update(q: Tensor, rows: Tensor, damping: float, ridge: float) -> None:
         q.addr_(k, k, alpha=-damping / (ridge + float(r @ k)))
 
 
-def layers(module: nn.Module) -> list[tuple[str, nn.Module]]:
+def layers(module: nn.Module) -> list[tuple[str, Layer]]:
     """The weight layers MA-Echo handles (Linear and Conv2d), in module order; the last one
     is the classifier."""
-    found = [(n, m) for n, m in module.named_modules() if isinstance(m, (nn.Linear, nn.Conv2d))]
+    found: list[tuple[str, Layer]] = [
+        (n, m) for n, m in module.named_modules() if isinstance(m, nn.Linear | nn.Conv2d)
+    ]
     for name, m in found:
         if isinstance(m, nn.Conv2d) and m.groups != 1:
             raise ValueError(f"MA-Echo handles ungrouped convolutions only; {name} has groups")
     return found
 
 
-def input_width(layer: nn.Module) -> int:
+def input_width(layer: Layer) -> int:
     """d: the width of a layer's input rows (C_in·k_h·k_w for a conv), plus 1 for a bias."""
     return layer.weight[0].numel() + (layer.bias is not None)
 
 
-def feature_rows(layer: nn.Module, mean_input: Tensor) -> Tensor:
+def feature_rows(layer: Layer, mean_input: Tensor) -> Tensor:
     """The rows one batch adds to ``layer``'s recursion, from its batch-mean input: the
     vector itself for a Linear layer, the stride-2 patches (``unfold`` order, matching the
     kernel's ``view(C_out, -1)``) for a conv; with a trailing 1 when the layer has a bias."""
@@ -309,7 +311,7 @@ def echo(
                 if norm:
                     delta = delta / delta.norm(dim=1, keepdim=True).clamp_min(1e-12)
                 vs[i].add_(delta, alpha=eta)
-            ys[i] = (w - vs[i]) @ u if norm else z * (1 - eta + eta * lam)
+            ys[i] = (w - vs[i]) @ u if norm and vs is not None else z * (1 - eta + eta * lam)
     return w if vs is None or output == "W" else vs.mean(0)
 
 

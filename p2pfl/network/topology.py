@@ -57,6 +57,13 @@ class Topology:
     def peers(self) -> list[int]:
         return list(range(self.num_peers))
 
+    @property
+    def hub(self) -> int:
+        """The server, for a method that runs on a star only (its ``check`` made sure)."""
+        if self.server is None:
+            raise ValueError(f"a {self.kind} topology has no server")
+        return self.server
+
     def neighbours(self, node: int) -> list[int]:
         return sorted(self.graph.neighbors(node))
 

@@ -26,7 +26,7 @@ import json
 import math
 import struct
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import torch
 from crc32c import crc32c
@@ -106,7 +106,7 @@ def _spec(e: object, i: int) -> tuple[str, torch.dtype, list[int], int, dict]:
     """Check one schema entry: (name, dtype, shape, bytes on the wire, entry)."""
     if not isinstance(e, dict) or not isinstance(e.get("name"), str):
         raise WireError(f"tensor entry {i} without a name")
-    name, dtype, shape = e["name"], DTYPES.get(e.get("dtype")), e.get("shape")
+    name, dtype, shape = e["name"], DTYPES.get(str(e.get("dtype"))), e.get("shape")
     if dtype is None:
         raise WireError(f"tensor {name!r}: unsupported dtype {e.get('dtype')!r}")
     if (
@@ -156,6 +156,7 @@ def encode_parts(msg: Message, compression: Compression | None = None) -> list[m
         (codec.pack(t, how) if how else t.detach().to("cpu").contiguous().reshape(-1))
         .view(torch.uint8)
         .numpy()
+        .data  # a memoryview of the tensor's bytes
         for t, how in zip(msg.tensors.values(), packing, strict=True)
     ]
     crc = 0
@@ -163,7 +164,7 @@ def encode_parts(msg: Message, compression: Compression | None = None) -> list[m
         crc = crc32c(a, crc)
     kind = KINDS.index(msg.kind)
     prefix = _PREFIX.pack(MAGIC, VERSION, kind, 0, msg.src, msg.dst, msg.round, crc, len(head))
-    return [memoryview(prefix + head), *(memoryview(a) for a in arrays if a.nbytes)]
+    return [memoryview(prefix + head), *(a for a in arrays if a.nbytes)]
 
 
 def join(parts: list[memoryview]) -> bytearray:
@@ -176,7 +177,7 @@ def encode(msg: Message, compression: Compression | None = None) -> bytearray:
     return join(encode_parts(msg, compression))
 
 
-def decode(frame: Buffer | list[Buffer], max_bytes: int = MAX_FRAME_BYTES) -> Message:
+def decode(frame: Buffer | Sequence[Buffer], max_bytes: int = MAX_FRAME_BYTES) -> Message:
     """Parse and check one frame; raise :class:`WireError` with the reason if it is bad.
 
     ``frame`` is one buffer, or the parts of a multipart message as ``encode_parts`` makes
@@ -184,7 +185,9 @@ def decode(frame: Buffer | list[Buffer], max_bytes: int = MAX_FRAME_BYTES) -> Me
     takes over) or, when each received part is exactly one tensor's bytes, those parts;
     any other buffer or split is copied once into a fresh buffer.
     """
-    parts = [memoryview(p).cast("B") for p in (frame if isinstance(frame, list) else [frame])]
+    if isinstance(frame, bytes | bytearray | memoryview):
+        frame = [frame]
+    parts = [memoryview(p).cast("B") for p in frame]
     size = sum(p.nbytes for p in parts)
     if size > max_bytes:
         raise WireError(f"frame of {size} bytes exceeds the limit of {max_bytes}")

@@ -137,6 +137,8 @@ def _handshake(zn: ZmqNode, coordinator: str, transport: TransportConfig) -> dic
         raise RunError(f"no start signal within {transport.startup_timeout_s:g} s")
     start = ctl.recv_json()
     ctl.close()
+    if not isinstance(start, dict) or not isinstance(start.get("addresses"), dict):
+        raise RunError(f"malformed start signal from the launcher: {start!r:.200}")
     zn.t0 = start["t0"]
     return {int(k): v for k, v in start["addresses"].items()}
 
@@ -254,7 +256,8 @@ def _merge(out: Path, nodes: list[int], setup: Setup, reporters: Reporter) -> di
 
 def _collect(out: Path, nodes: list[int], setup: Setup) -> tuple[dict[int, Finish], dict]:
     """Every node's final model and reports, read back from its ``peers/NAME/`` files."""
-    finals, baselines = {}, {}
+    finals: dict[int, Finish] = {}
+    baselines: dict[str, float] = {}
     for n in nodes:
         mine = out / "peers" / setup.topology.name(n)
         result = json.loads((mine / "result.json").read_text())

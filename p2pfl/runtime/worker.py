@@ -72,9 +72,11 @@ class Worker:
         if isinstance(eff, Report):
             return self.report(node, eff), 0.0
         if isinstance(eff, Artifact):
-            return self.artifact(node, eff), 0.0
+            self.artifact(node, eff)
+            return None, 0.0
         if isinstance(eff, Log):
-            return self.log(node, eff, now), 0.0
+            self.log(node, eff, now)
+            return None, 0.0
         raise TypeError(f"node {node} yielded {eff!r}, which is not an effect")
 
     def device(self, node: int) -> torch.device:
