@@ -106,9 +106,10 @@ def _spec(e: object, i: int) -> tuple[str, torch.dtype, list[int], int, dict]:
     """Check one schema entry: (name, dtype, shape, bytes on the wire, entry)."""
     if not isinstance(e, dict) or not isinstance(e.get("name"), str):
         raise WireError(f"tensor entry {i} without a name")
-    name, dtype, shape = e["name"], DTYPES.get(str(e.get("dtype"))), e.get("shape")
+    name, raw, shape = e["name"], e.get("dtype"), e.get("shape")
+    dtype = DTYPES.get(raw) if isinstance(raw, str) else None
     if dtype is None:
-        raise WireError(f"tensor {name!r}: unsupported dtype {e.get('dtype')!r}")
+        raise WireError(f"tensor {name!r}: unsupported dtype {raw!r}")
     if (
         not isinstance(shape, list)
         or len(shape) > 8
