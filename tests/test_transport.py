@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -20,12 +21,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import BASE, ROOT, experiment
+from p2pfl.core.errors import RunError
 from p2pfl.methods import METHODS
 from p2pfl.methods.effects import Recv
 from p2pfl.network.ledger import Ledger
 from p2pfl.network.message import Message
 from p2pfl.network.topology import build_topology
 from p2pfl.network.wire import encode
+from p2pfl.runtime.launcher import _handshake
 from p2pfl.runtime.sockets import TransportConfig, ZmqNode
 
 TIMEOUT = 120.0  # a receive waits for its sender's compute, which is slow on a busy CI box
@@ -181,6 +184,35 @@ def live_node(keys: str | None = None, node: int = 1, to: dict[int, str] | None 
     zn.endpoint = zn.bind("tcp://127.0.0.1:*")
     zn.connect({j: "tcp://127.0.0.1:1" for j in range(3)} | (to or {}))
     return zn
+
+
+@pytest.mark.parametrize(
+    "signal",
+    [[1, 2], {"addresses": {"0": "tcp://127.0.0.1:1"}}, {"t0": "now", "addresses": {}},
+     {"t0": 1.0, "addresses": {"x": "tcp://127.0.0.1:1"}}, {"t0": 1.0, "addresses": {"0": 5}}],
+)  # fmt: skip
+def test_a_malformed_start_signal_is_a_run_error(signal: object) -> None:
+    """A peer's handshake with a real ROUTER coordinator that answers nonsense: one clear
+    RunError naming the start signal, not a KeyError or ValueError from inside."""
+    node = live_node()
+    router = node.context.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    transport = TransportConfig(timeout_s=5.0, startup_timeout_s=5.0)
+    try:
+
+        def answer() -> None:
+            ident, _hello = router.recv_multipart()
+            router.send_multipart([ident, json.dumps(signal).encode()])
+
+        thread = threading.Thread(target=answer)
+        thread.start()
+        with pytest.raises(RunError, match="malformed start signal"):
+            _handshake(node, f"tcp://127.0.0.1:{port}", transport)
+        thread.join(10)
+    finally:
+        router.close()
+        node.close()
 
 
 def valid_frame(round: int = 1) -> bytearray:

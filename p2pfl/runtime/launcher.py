@@ -137,10 +137,22 @@ def _handshake(zn: ZmqNode, coordinator: str, transport: TransportConfig) -> dic
         raise RunError(f"no start signal within {transport.startup_timeout_s:g} s")
     start = ctl.recv_json()
     ctl.close()
-    if not isinstance(start, dict) or not isinstance(start.get("addresses"), dict):
-        raise RunError(f"malformed start signal from the launcher: {start!r:.200}")
-    zn.t0 = start["t0"]
-    return {int(k): v for k, v in start["addresses"].items()}
+    zn.t0, addresses = _start_signal(start)
+    return addresses
+
+
+def _start_signal(start: object) -> tuple[float, dict[int, str]]:
+    """The launcher's start signal, checked: ``{"t0": time, "addresses": {node: endpoint}}``."""
+    if isinstance(start, dict):
+        t0, table = start.get("t0"), start.get("addresses")
+        if (
+            isinstance(t0, int | float)
+            and not isinstance(t0, bool)
+            and isinstance(table, dict)
+            and all(k.isdigit() and isinstance(v, str) for k, v in table.items())
+        ):
+            return t0, {int(k): v for k, v in table.items()}
+    raise RunError(f"malformed start signal from the launcher: {start!r:.200}")
 
 
 def launch(setup: Setup, out: Path, config_file: Path, reporters: Reporter) -> Outcome:
