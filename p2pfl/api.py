@@ -16,8 +16,9 @@ What is here, by what it is for:
   ``GRAPHS`` (``topology.kind``), ``CODECS`` (``compression.KIND.codec``) and ``REPORTERS``
   (``eval.reporters``);
 - writing a method: ``Method`` (the base class), ``NodeContext`` (what one node knows), the
-  effects its behaviour yields (``Send``, ``Recv``, ``Train``, ``Compute``, ``Evaluate``,
-  ``Report``, ``Artifact``, ``Log``, ``Finish``; ``Behaviour`` is the generator's type) and
+  effects its behaviour yields (``Send``, ``Recv``, ``Now``, ``Wait``, ``Neighbours``,
+  ``Train``, ``Compute``, ``Evaluate``, ``Report``, ``Artifact``, ``Log``, ``Finish``;
+  ``Behaviour`` is the generator's type) and
   what comes back (``Message`` from ``Recv``, ``TrainResult`` from ``Train``, ``PeerData``
   for a ``Compute`` function);
 - model states: ``State`` (a ``state_dict``) and ``average_states`` (their weighted mean);
@@ -45,10 +46,13 @@ from p2pfl.methods.effects import (
     Evaluate,
     Finish,
     Log,
+    Neighbours,
+    Now,
     Recv,
     Report,
     Send,
     Train,
+    Wait,
 )
 from p2pfl.network.codecs import CODECS, Codec
 from p2pfl.network.message import Message
@@ -60,7 +64,8 @@ __all__ = [
     # registries
     "CODECS", "DATASETS", "GRAPHS", "METHODS", "MODELS", "PARTITIONERS", "REPORTERS",
     # methods and their effects
-    "Method", "NodeContext", "Behaviour", "Send", "Recv", "Train", "Compute", "Evaluate",
+    "Method", "NodeContext", "Behaviour", "Send", "Recv", "Now", "Wait", "Neighbours", "Train",
+    "Compute", "Evaluate",
     "Report", "Artifact", "Log", "Finish", "Message", "TrainResult", "PeerData",
     # model states, cost plans, component types, helpers
     "State", "average_states", "Plan", "Transfer", "Dataset", "Topology", "Codec", "Reporter",

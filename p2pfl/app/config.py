@@ -27,6 +27,7 @@ from p2pfl.learning.models import resolve_model
 from p2pfl.learning.training import TrainConfig
 from p2pfl.methods import METHODS
 from p2pfl.network.codecs import resolve_section as resolve_compression
+from p2pfl.network.dynamics import resolve_network
 from p2pfl.network.peers import build_population
 from p2pfl.network.topology import parse_topology
 from p2pfl.runtime.setup import EvalConfig
@@ -34,7 +35,7 @@ from p2pfl.runtime.sockets import TransportConfig
 
 SECTIONS = (
     "name", "seed", "dataset", "partition", "model", "topology", "peers", "algorithm", "train",
-    "eval", "transport", "compression", "plugins",
+    "eval", "transport", "compression", "plugins", "network",
 )  # fmt: skip
 DEFAULTS: dict[str, Any] = {
     "seed": 0,
@@ -96,8 +97,20 @@ def _named(
     return {"name": options["name"]} | own | shared
 
 
-def _topology(options: dict[str, Any]) -> dict[str, Any]:
-    """Check a ``topology:`` mapping (all but what needs the peer count); return it as is."""
+def graph_path(options: dict[str, Any], file: Path) -> dict[str, Any]:
+    """A ``graph_file`` mapping with its ``path`` found (like ``topology.file``) and made
+    absolute, so the resolved config runs from anywhere; other mappings as they are."""
+    if options.get("kind") != "graph_file" or not isinstance(options.get("path"), str):
+        return options
+    path = find_file(options["path"], file)
+    if path is None:
+        raise ConfigError("path", f"no such graph file {options['path']!r}")
+    return options | {"path": str(path.resolve())}
+
+
+def _topology(options: dict[str, Any], file: Path) -> dict[str, Any]:
+    """Check a ``topology:`` mapping (all but what needs the peer count)."""
+    options = graph_path(options, file)
     parse_topology(options)
     return options
 
@@ -133,7 +146,7 @@ def resolve(raw: dict[str, Any], file: Path) -> dict[str, Any]:
         "dataset": lambda o: _named(DATASETS, o, 0, take_subsets, 2),
         "partition": lambda o: _named(PARTITIONERS, o, 3, SplitOptions),
         "model": resolve_model,
-        "topology": lambda o: _topology(_include(o, "file", file, "topology")),
+        "topology": lambda o: _topology(_include(o, "file", file, "topology"), file),
         "peers": lambda o: bind(
             build_population, _include(o, "profile", file, "peer profile"), 1, also=("profile",)
         ),
@@ -152,7 +165,37 @@ def resolve(raw: dict[str, Any], file: Path) -> dict[str, Any]:
         build_population(out["seed"], **out["peers"])
     except ConfigError as e:
         raise e.within("peers") from None
+    if "network" in config:  # only when given: without it, config.yaml is as it always was
+        try:
+            out["network"] = _network(_section(config, "network"), file)
+        except ConfigError as e:
+            raise e.within("network") from None
     return out
+
+
+def _network(options: dict[str, Any], file: Path) -> dict[str, Any]:
+    """Check a ``network:`` mapping; a churn trace's and graph files' paths become absolute."""
+    graph = options.get("graph")
+    if isinstance(graph, dict):
+        try:
+            if isinstance(graph.get("schedule"), list):
+                entries = [
+                    graph_path(e, file) if isinstance(e, dict) else e for e in graph["schedule"]
+                ]
+                graph = graph | {"schedule": entries}
+            else:
+                graph = graph_path(graph, file)
+        except ConfigError as e:
+            raise e.within("graph") from None
+        options = options | {"graph": graph}
+    resolve_network(options)
+    churn = options.get("churn")
+    if churn and churn.get("trace") is not None:
+        path = find_file(churn["trace"], file)
+        if path is None:
+            raise ConfigError("churn.trace", f"no such trace file {churn['trace']!r}")
+        options = options | {"churn": churn | {"trace": str(path.resolve())}}
+    return options
 
 
 def read_experiment(

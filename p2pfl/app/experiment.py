@@ -25,6 +25,7 @@ from p2pfl.learning.training import TrainConfig, Trainer, resolve_device
 from p2pfl.methods import METHODS
 from p2pfl.methods.effects import Finish, State
 from p2pfl.network.codecs import from_section
+from p2pfl.network.dynamics import Network
 from p2pfl.network.ledger import Ledger
 from p2pfl.network.peers import build_population
 from p2pfl.network.topology import Topology, build_topology
@@ -82,11 +83,16 @@ def build(config: dict[str, Any], transport: str = "sim") -> Setup:
     method.check_data(copy.deepcopy(trainer.module(torch.device("cpu"))), data)
     if transport == "zmq":
         check_curve_keys(TransportConfig(**config["transport"]), topology, topology.graph.nodes)
+    network = None
+    if "network" in config:
+        network = _within("network", Network, config["network"], topology, seed)
+        if not network.misbehaves:
+            network = None  # reliable and static: the run is exactly one without the section
     try:
         method.check(topology, seed)
     except ConfigError as e:
         raise TopologyMisfit(e.key, e.message).within("topology") from None
-    return Setup(config, method, population, topology, trainer, data, train, evaluation)
+    return Setup(config, method, population, topology, trainer, data, train, evaluation, network)
 
 
 def run(setup: Setup, out: Path, progress: bool = False, transport: str = "sim") -> dict[str, Any]:
@@ -134,14 +140,14 @@ def _simulate(
     setup: Setup, out: Path, progress: bool, metrics: Reporter
 ) -> tuple[dict[int, Finish], dict[str, float], float, dict[str, Any]]:
     """Run every node on one SimPy clock; return finals, baselines, end time and ledger."""
-    ledger = Ledger(out / "comm.csv")
+    ledger = Ledger(out / "comm.csv", fates=setup.network is not None)
     worker = Worker(
         setup.trainer, setup.data, setup.train, setup.population, setup.topology, setup.seed,
         metrics, setup.eval.every, setup.method.total_rounds(setup.topology.num_peers), out,
         progress,
     )  # fmt: skip
     compression = from_section(setup.config["compression"])
-    runtime = SimRuntime(setup.topology, worker, ledger, compression)
+    runtime = SimRuntime(setup.topology, worker, ledger, compression, setup.network)
     try:
         behaviours = {n: setup.method.behaviour(ctx) for n, ctx in setup.contexts().items()}
         finals = runtime.run(behaviours)
@@ -150,7 +156,18 @@ def _simulate(
     finally:
         worker.close()
         ledger.close()
+        if setup.network is not None:
+            save_availability(setup.network, runtime.now, out)
     return finals, worker.baselines, runtime.now, ledger.summary()
+
+
+def save_availability(network: Network, end: float, out: Path) -> None:
+    """``availability.csv``: one row per online interval of each peer (peer, from, to)."""
+    with open(out / "availability.csv", "w") as f:
+        f.write("peer,online_from,online_to\n")
+        for peer in network.topology.peers:
+            for start, stop in network.availability(peer, end):
+                f.write(f"{peer},{start:.9g},{stop:.9g}\n")
 
 
 def _summary_head(setup: Setup) -> dict[str, Any]:
@@ -169,8 +186,8 @@ def final_state(finals: dict[int, Finish], topology: Topology) -> State:
     """The run's output model: the ``output`` Finish (their mean if several agree to be
     outputs), else the uniform mean of the peers' final models."""
     outputs = [s for f in finals.values() if f.output and (s := f.state) is not None]
-    if not outputs:
-        outputs = [s for p in topology.peers if (s := finals[p].state) is not None]
+    if not outputs:  # a peer that crashed has no Finish
+        outputs = [s for p in topology.peers if p in finals and (s := finals[p].state) is not None]
     if not outputs:
         raise RunError("no node finished with a model")
     return outputs[0] if len(outputs) == 1 else average_states(outputs)
@@ -202,6 +219,6 @@ def _results(
     per_peer = []
     if setup.eval.per_peer:
         for p in setup.topology.peers:
-            state = finals[p].state
+            state = finals[p].state if p in finals else None
             per_peer.append({"peer": p, "accuracy": None if state is None else score(state)[0]})
     return results | {"final": {"accuracy": acc, "loss": loss}, "per_peer": per_peer}

@@ -49,13 +49,40 @@ class Recv:
     """Wait for ``count`` messages of one of ``kinds`` (and ``round``/``src`` if given).
 
     Returns them as a list sorted by sender, then by arrival, so the order never depends
-    on timing.
+    on timing. With a ``deadline`` (a time on the run's clock, see ``Now``) it returns at
+    the latest then, with the matching messages that arrived (fewer, or none).
     """
 
     kinds: tuple[str, ...] = ("model",)
     count: int = 1
     round: int | None = None
     src: int | None = None
+    deadline: float | None = None
+
+
+@dataclass(frozen=True)
+class Now:
+    """Returns the time on the run's clock (simulated seconds, or wall seconds since the
+    start over sockets): what a method needs to set a deadline."""
+
+
+@dataclass(frozen=True)
+class Wait:
+    """Resume at time ``until`` on the run's clock (at once if it has passed); messages
+    keep arriving in the inbox meanwhile."""
+
+    until: float
+
+
+@dataclass(frozen=True)
+class Neighbours:
+    """Returns the neighbours this node believes reachable now, sorted: those of the graph
+    in force (the one for ``round`` where the graph is redrawn each round) that are online
+    and not cut off, as a membership or heartbeat service would tell it. ``incoming``: the
+    peers that send to this node (they differ on a directed graph)."""
+
+    round: int | None = None
+    incoming: bool = False
 
 
 @dataclass(frozen=True)
@@ -137,7 +164,20 @@ class Finish:
     output: bool = False
 
 
-Effect = Send | Recv | Train | Compute | Evaluate | Report | Artifact | Log | Finish
+Effect = (
+    Send
+    | Recv
+    | Now
+    | Wait
+    | Neighbours
+    | Train
+    | Compute
+    | Evaluate
+    | Report
+    | Artifact
+    | Log
+    | Finish
+)
 Behaviour = Generator[Effect, Any, None]
 """A node's whole behaviour: it yields effects and gets each one's result back."""
 Steps = Generator[Effect, Any, T]

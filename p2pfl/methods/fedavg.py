@@ -7,6 +7,14 @@ bytes; with ``weighting: samples`` each peer also sends its sample count in a sm
 ``control`` message. ``rounds: 1`` with ``participation: 1`` is one-shot FedAvg. At the
 end the server tells every peer to stop (one ``control`` message each).
 
+``deadline_s`` makes it live with a network that misbehaves (``network:``): each round the
+server samples among the peers it believes reachable (``Neighbours``, as Flower samples the
+connected clients), waits at most ``deadline_s`` seconds and averages the models that
+arrived (none: it keeps its model); a model carries its sample count in its metadata, so no
+``control`` message can go missing on its own. Clients stop at the last possible end of the
+run when the server's stop message does not reach them. Without it, a lost message stalls
+the round (reported as a deadlock), exactly as before.
+
 ``relaxed_init: {beta, aggregate}`` is FedInit (:mod:`p2pfl.methods.relaxed`): each peer
 starts its local training from the relaxed point and keeps its last local model, in the
 client's own behaviour; the server and the messages stay exactly as above.
@@ -22,7 +30,17 @@ from p2pfl.core.errors import ConfigError
 from p2pfl.core.seeding import numpy_rng
 from p2pfl.learning.state import average_states
 from p2pfl.methods.base import METHODS, Method, NodeContext
-from p2pfl.methods.effects import Behaviour, Evaluate, Finish, Recv, Send, State, Train
+from p2pfl.methods.effects import (
+    Behaviour,
+    Evaluate,
+    Finish,
+    Neighbours,
+    Now,
+    Recv,
+    Send,
+    State,
+    Train,
+)  # fmt: skip
 from p2pfl.methods.relaxed import RelaxedInit, local_round, parse_relaxed_init
 from p2pfl.network.plan import Plan, Transfer
 
@@ -37,6 +55,7 @@ class FedAvg(Method):
     rounds: int = 20
     participation: float = 1.0
     weighting: Literal["samples", "uniform"] = "samples"
+    deadline_s: float | None = None
     relaxed_init: dict | None = None
     relaxed: RelaxedInit | None = field(init=False, repr=False)
 
@@ -45,19 +64,64 @@ class FedAvg(Method):
             raise ConfigError("rounds", "must be >= 1")
         if not 0 < self.participation <= 1:
             raise ConfigError("participation", "must be in (0, 1]")
+        if self.deadline_s is not None and not self.deadline_s > 0:
+            raise ConfigError("deadline_s", "must be > 0")
         self.relaxed = parse_relaxed_init(self.relaxed_init)
 
     def total_rounds(self, num_peers: int) -> int:
         return self.rounds
 
-    def sample(self, peers: list[int], seed: int, round: int) -> list[int]:
-        """The peers taking part in ``round`` (seeded, sorted)."""
+    def sample(
+        self, peers: list[int], seed: int, round: int, among: list[int] | None = None
+    ) -> list[int]:
+        """The peers taking part in ``round`` (seeded, sorted): K of ``peers``, or with a
+        deadline as many of those reachable (``among``) as there are, up to K."""
         k = max(1, round_half(self.participation * len(peers)))
-        chosen = numpy_rng(seed, "participation", round).choice(peers, k, replace=False)
+        pool = peers if among is None else among
+        rng = numpy_rng(seed, "participation", round)
+        chosen = rng.choice(pool, min(k, len(pool)), replace=False)
         return sorted(int(p) for p in chosen)
 
     def behaviour(self, ctx: NodeContext) -> Behaviour:
+        if self.deadline_s is not None:
+            return self.deadline_server(ctx) if ctx.is_server else self.deadline_client(ctx)
         return self.server(ctx) if ctx.is_server else self.client(ctx)
+
+    def deadline_server(self, ctx: NodeContext) -> Behaviour:
+        """Rounds of at most ``deadline_s``: average whatever arrived in time."""
+        assert self.deadline_s is not None
+        state = ctx.init_state()
+        for r in range(1, self.rounds + 1):
+            start = yield Now()
+            chosen = self.sample(ctx.peers, ctx.seed, r, among=(yield Neighbours()))
+            for p in chosen:
+                yield Send(p, "model", r, state)
+            deadline = start + self.deadline_s
+            models = yield Recv(count=len(chosen), round=r, deadline=deadline)
+            if models:
+                weights = [m.meta["num_samples"] for m in models]
+                if self.weighting == "uniform":
+                    weights = [1] * len(models)
+                state = average_states([m.tensors for m in models], weights)
+            yield Evaluate(state, r)
+        for p in ctx.peers:
+            yield Send(p, "control", self.rounds, {}, {"stop": True})
+        yield Finish(state, output=True)
+
+    def deadline_client(self, ctx: NodeContext) -> Behaviour:
+        """Train what comes; stop on the server's word or when the run must be over."""
+        assert self.deadline_s is not None
+        held = ctx.init_state()
+        last_end = self.rounds * self.deadline_s
+        while msgs := (yield Recv(kinds=("model", "control"), deadline=last_end)):
+            (msg,) = msgs
+            if msg.kind == "control":
+                break
+            held, upload = yield from local_round(
+                self.relaxed, self.local_train, msg.tensors, held, ctx.trainable, msg.round
+            )
+            yield Send(msg.src, "model", msg.round, upload, {"num_samples": ctx.num_samples})
+        yield Finish(held)
 
     def server(self, ctx: NodeContext) -> Behaviour:
         state = ctx.init_state()

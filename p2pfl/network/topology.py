@@ -9,9 +9,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import Any, Literal
 
 import networkx as nx
+import numpy as np
 
 from p2pfl.core.errors import ConfigError
 from p2pfl.core.options import Registry, bind, bind_with_common
@@ -52,6 +54,7 @@ class Topology:
     graph: nx.Graph
     num_peers: int
     server: int | None = None
+    default_link: Link = DEFAULT_LINK  # for edges a changing graph adds (p2pfl.network.dynamics)
 
     @property
     def peers(self) -> list[int]:
@@ -129,6 +132,29 @@ def watts_strogatz(n: int, seed: int, *, k: int = 4, p: float = 0.1) -> nx.Graph
     return _connected(lambda s: nx.watts_strogatz_graph(n, k, p, seed=s), n, seed, "p")
 
 
+@GRAPHS.register("random_regular")
+def random_regular(n: int, seed: int, *, d: int = 3) -> nx.Graph:
+    """Every peer has exactly d neighbours, drawn at random (redrawn until connected)."""
+    if not 1 <= d < n or (n * d) % 2:
+        raise ConfigError("d", f"must be in [1, {n - 1}] with N·d even ({n} peers)")
+    return _connected(lambda s: nx.random_regular_graph(d, n, seed=s), n, seed, "d")
+
+
+@GRAPHS.register("s_out")
+def s_out(n: int, seed: int, *, s: int = 3) -> nx.DiGraph:
+    """Directed: each peer sends to s peers drawn at random (Epidemic Learning's EL-Local,
+    de Vos et al. 2023, §3); for graphs redrawn during a run (``network.graph``)."""
+    if not 1 <= s < n:
+        raise ConfigError("s", f"must be in [1, {n - 1}] for {n} peers")
+    rng = np.random.default_rng(seed)
+    g = nx.DiGraph()
+    g.add_nodes_from(range(n))
+    for i in range(n):
+        others = [j for j in range(n) if j != i]
+        g.add_edges_from((i, int(j)) for j in rng.choice(others, s, replace=False))
+    return g
+
+
 @GRAPHS.register("edges")
 def edges(n: int, seed: int, *, edges: list[list[int]]) -> nx.Graph:
     """An explicit edge list ``[[0, 1], [1, 2], ...]`` over peers 0..N-1."""
@@ -139,6 +165,44 @@ def edges(n: int, seed: int, *, edges: list[list[int]]) -> nx.Graph:
             raise ConfigError("edges", f"edge {e} must join two different peers in 0..{n - 1}")
         g.add_edge(*e)
     return g
+
+
+GRAPH_FORMATS = {
+    "edgelist": nx.read_edgelist,
+    "graphml": nx.read_graphml,
+    "gml": nx.read_gml,
+}
+
+
+@GRAPHS.register("graph_file")
+def graph_file(
+    n: int, seed: int, *, path: str, format: Literal["auto", "edgelist", "graphml", "gml"] = "auto"
+) -> nx.Graph:
+    """A graph read from a standard file with networkx' readers (edge list, GraphML, GML; by
+    the file's suffix with ``auto``), e.g. a measured P2P overlay. It must have exactly N
+    nodes; they become peers 0..N-1 in the order of their labels (numbers numerically).
+    Directions, parallel edges and self-loops are dropped."""
+    suffix = Path(path).suffix.lower().lstrip(".")
+    fmt = (
+        format if format != "auto" else {"txt": "edgelist", "edges": "edgelist"}.get(suffix, suffix)
+    )
+    if fmt not in GRAPH_FORMATS:
+        raise ConfigError(
+            "format", f"cannot tell the format of {path!r}; set edgelist, graphml or gml"
+        )
+    try:
+        read = nx.Graph(GRAPH_FORMATS[fmt](path))
+    except FileNotFoundError:
+        raise ConfigError("path", f"no such graph file {path!r}") from None
+    except Exception as e:  # the readers raise many kinds of error on a malformed file
+        raise ConfigError("path", f"cannot read {path} as {fmt}: {e}") from None
+    read.remove_edges_from(nx.selfloop_edges(read))
+    if read.number_of_nodes() != n:
+        raise ConfigError("path", f"{path} has {read.number_of_nodes()} nodes, for {n} peers")
+    labels = sorted(
+        read.nodes, key=lambda v: (0, int(v), "") if str(v).isdigit() else (1, 0, str(v))
+    )
+    return nx.relabel_nodes(read, {v: i for i, v in enumerate(labels)})
 
 
 def _shared_keys(
@@ -185,25 +249,34 @@ def _override(override: Any, key: str) -> tuple[list[Any], dict[str, Any]]:
     return ends, ov
 
 
+def build_graph(options: dict[str, Any], num_peers: int, seed: int) -> nx.Graph:
+    """The graph named by ``options['kind']`` (with its keys; link keys are ignored)."""
+    make, own, _, _ = parse_topology(options)
+    return make(num_peers, seed, **own)
+
+
 def build_topology(
     options: dict[str, Any], num_peers: int, seed: int, link_defaults: Link = DEFAULT_LINK
 ) -> Topology:
     """Build the graph named by ``options['kind']`` with links on every edge.
 
-    Keys: ``kind`` (ring | mesh | star | erdos_renyi | watts_strogatz | edges) and its own
-    keys, ``link`` (defaults for every edge) and ``links`` (per-edge overrides, each
-    ``{between: [u, v], latency_s, bandwidth_bps}``; the server of a star is ``"server"``).
+    Keys: ``kind`` (ring | mesh | star | erdos_renyi | watts_strogatz | random_regular |
+    edges | graph_file) and its own keys, ``link`` (defaults for every edge) and ``links`` (per-edge
+    overrides, each ``{between: [u, v], latency_s, bandwidth_bps}``; the server of a star is
+    ``"server"``).
     """
     make, own, base, overrides = parse_topology(options, link_defaults)
     kind = options["kind"]
     if num_peers < 2:
         raise ConfigError("kind", f"a {kind} needs at least 2 peers, got {num_peers}")
     graph = make(num_peers, seed, **own)
+    if graph.is_directed():
+        raise ConfigError("kind", f"{kind} is directed: use it in network.graph")
     if not nx.is_connected(graph):
         raise ConfigError("kind", "the graph is not connected")
     nx.set_edge_attributes(graph, base, "link")
     server = num_peers if kind == "star" else None
-    topo = Topology(kind=kind, graph=graph, num_peers=num_peers, server=server)
+    topo = Topology(kind=kind, graph=graph, num_peers=num_peers, server=server, default_link=base)
     for i, (ends, link) in enumerate(overrides):
         key = f"links.{i}"
         nodes = [topo.server if v == "server" else v for v in ends]

@@ -18,10 +18,11 @@ def matches(recv: Recv, msg: Message) -> bool:
     )
 
 
-def take(inbox: list[Message], recv: Recv) -> list[Message] | None:
-    """Remove and return ``recv.count`` matching messages (oldest first), sorted by sender."""
+def take(inbox: list[Message], recv: Recv, partial: bool = False) -> list[Message] | None:
+    """Remove and return ``recv.count`` matching messages (oldest first), sorted by sender;
+    ``None`` if fewer have arrived, unless ``partial`` (a deadline passed): then those."""
     hits = [i for i, m in enumerate(inbox) if matches(recv, m)][: recv.count]
-    if len(hits) < recv.count:
+    if len(hits) < recv.count and not partial:
         return None
     taken = [inbox[i] for i in hits]
     for i in reversed(hits):
@@ -33,4 +34,5 @@ def describe(recv: Recv, name) -> str:
     """``recv`` in words, e.g. ``1 model message(s) of round 4 from 2``."""
     src = "" if recv.src is None else f" from {name(recv.src)}"
     rnd = "" if recv.round is None else f" of round {recv.round}"
-    return f"{recv.count} {'/'.join(recv.kinds)} message(s){rnd}{src}"
+    by = "" if recv.deadline is None else f" by t={recv.deadline:g}s"
+    return f"{recv.count} {'/'.join(recv.kinds)} message(s){rnd}{src}{by}"

@@ -13,6 +13,7 @@ from p2pfl.core.seeding import derive_seed
 from p2pfl.data.federated import FederatedData
 from p2pfl.learning.training import TrainConfig, Trainer
 from p2pfl.methods.base import Method, NodeContext
+from p2pfl.network.dynamics import Network
 from p2pfl.network.peers import Population
 from p2pfl.network.topology import Topology
 from p2pfl.reporting.matching import MatchingConfig
@@ -54,6 +55,7 @@ class Setup:
     data: FederatedData
     train: TrainConfig
     eval: EvalConfig
+    network: Network | None = None  # the ``network:`` section, if the run has one
 
     @property
     def seed(self) -> int:

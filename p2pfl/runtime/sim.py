@@ -10,7 +10,16 @@
 - ``Train`` and ``Compute`` advance the node's clock by their modelled (or measured) time.
   With ``peers.batched``, trainings overlapping in simulated time run as one batched call
   (:mod:`p2pfl.runtime.train_batcher`); the clock and the event order are unchanged.
-- ``Evaluate``, ``Report``, ``Artifact``, ``Log`` and ``Finish`` take no simulated time.
+- ``Evaluate``, ``Report``, ``Artifact``, ``Log`` and ``Finish`` take no simulated time;
+  ``Now`` reads the clock, ``Wait`` sleeps until a time, ``Neighbours`` asks the network.
+
+With a ``network:`` section (:class:`p2pfl.network.dynamics.Network`) the network decides
+each message's fate when it arrives (lost on its link, its receiver offline or crashed, a
+partition between them) and only delivered ones reach the inbox; every one is in the
+ledger. A node that is offline is paused: a ``Send``, ``Train`` or ``Compute`` it yields
+waits until it is back (one already under way finishes; nothing reaches its inbox
+meanwhile). A node that crashes stops at once, for good; a message it had already handed
+to its uplink still goes out.
 
 Event order is deterministic, so the same config and seed replay bit for bit. If every
 process is blocked while some node still waits, the run fails naming who waits for what.
@@ -19,15 +28,27 @@ process is blocked while some node still waits, the run fails naming who waits f
 from __future__ import annotations
 
 import gc
+import math
 from collections import deque
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from typing import Any
 
 import simpy
 
 from p2pfl.core.errors import RunError
-from p2pfl.methods.effects import Behaviour, Finish, Recv, Send, Train
+from p2pfl.methods.effects import (
+    Behaviour,
+    Compute,
+    Finish,
+    Neighbours,
+    Now,
+    Recv,
+    Send,
+    Train,
+    Wait,
+)
 from p2pfl.network.codecs import Compression, choose
+from p2pfl.network.dynamics import Network
 from p2pfl.network.ledger import Ledger
 from p2pfl.network.message import Message
 from p2pfl.network.topology import Link, Topology
@@ -46,8 +67,12 @@ class SimRuntime:
         worker: Worker,
         ledger: Ledger,
         compression: Compression | None = None,
+        network: Network | None = None,
     ) -> None:
         self.env = simpy.Environment()
+        self.network = network
+        self.gone: set[int] = set()  # crashed, or offline for good (a trace that ends down)
+        self.end = 0.0  # with a network: when the last node ended or the last message landed
         self.compression = compression
         self.topology = topology
         self.worker = worker
@@ -56,8 +81,9 @@ class SimRuntime:
         self.inbox: dict[int, list[Message]] = {n: [] for n in nodes}
         self.wakeup: dict[int, simpy.Event] = {}
         self.missing: dict[int, int] = {}  # matching messages a waiting node still lacks
-        # each sender's uplink: (message, frame size, send time, link), the head in transfer
-        self.uplink: dict[int, deque[tuple[Message, int, float, Link]]] = {
+        # each sender's uplink: (message, frame size, send time, link, lost on its link,
+        # jitter), the head in transfer
+        self.uplink: dict[int, deque[tuple[Message, int, float, Link, bool, float]]] = {
             n: deque() for n in nodes
         }
         self.waiting: dict[int, Recv] = {}
@@ -67,7 +93,10 @@ class SimRuntime:
     def run(self, behaviours: dict[int, Behaviour]) -> dict[int, Finish]:
         """Drive every node's behaviour to its end; return each node's ``Finish``."""
         for node, gen in behaviours.items():
-            self.env.process(self._drive(node, gen))
+            process = self.env.process(self._drive(node, gen))
+            crash = self.network.crash_at.get(node) if self.network else None
+            if crash is not None:
+                self.env.timeout(crash).callbacks.append(self._crasher(process, node))
         # Objects made before the run (torch, the data) stay out of the cyclic collector's
         # scans while it runs: a full collection over them costs 0.1-0.3 s each time.
         gc.freeze()
@@ -75,7 +104,7 @@ class SimRuntime:
             self.env.run()
         finally:
             gc.unfreeze()
-        stuck = sorted(set(behaviours) - set(self.finals))
+        stuck = sorted(set(behaviours) - set(self.finals) - self.gone)
         if stuck:
             what = "; ".join(
                 f"{self.topology.name(n)} waits for {self._describe(n)}" for n in stuck
@@ -85,7 +114,21 @@ class SimRuntime:
 
     @property
     def now(self) -> float:
-        return self.env.now
+        """The run's end time once it is over (with a network, timers still pending when the
+        last node ended — a deadline that was not needed, a crash after the end — don't
+        count)."""
+        return self.env.now if self.network is None else self.end
+
+    def _crasher(self, process: simpy.Process, node: int) -> Callable[[simpy.Event], None]:
+        """The callback that stops ``node`` at its crash time, if it is still running."""
+
+        def crash(_: simpy.Event) -> None:
+            if process.is_alive:
+                self.gone.add(node)
+                self.waiting.pop(node, None)
+                process.interrupt("crash")
+
+        return crash
 
     def _describe(self, node: int) -> str:
         recv = self.waiting.get(node)
@@ -94,6 +137,16 @@ class SimRuntime:
         return describe(recv, self.topology.name)
 
     def _drive(self, node: int, gen: Behaviour) -> Generator[simpy.Event, Any, None]:
+        if self.network is None:
+            yield from self._steps(node, gen)
+            return
+        try:
+            yield from self._steps(node, gen)
+        except simpy.Interrupt:
+            gen.close()  # crashed: its state is gone with it
+        self.end = max(self.end, self.env.now)
+
+    def _steps(self, node: int, gen: Behaviour) -> Generator[simpy.Event, Any, None]:
         value: Any = None
         while True:
             try:
@@ -101,12 +154,29 @@ class SimRuntime:
             except StopIteration:
                 return
             value = None
+            if (
+                self.network is not None
+                and isinstance(eff, (Send, Train, Compute))
+                and not self.network.online(node, self.env.now)
+            ):
+                back = self.network.next_online(node, self.env.now)
+                if back == math.inf:
+                    self.gone.add(node)
+                    yield self.env.event()  # never fires; a crash timer may interrupt it
+                yield self.env.timeout(back - self.env.now)
             if isinstance(eff, Send):
                 self._send(node, eff)
             elif isinstance(eff, Recv):
                 value = yield from self._recv(node, eff)
             elif isinstance(eff, Finish):
                 self.finals[node] = eff
+            elif isinstance(eff, Now):
+                value = self.env.now
+            elif isinstance(eff, Wait):
+                if eff.until > self.env.now:
+                    yield self.env.timeout(eff.until - self.env.now)
+            elif isinstance(eff, Neighbours):
+                value = self._neighbours(node, eff)
             elif (
                 isinstance(eff, Train)
                 and (seconds := self.worker.batchable_seconds(node, eff)) is not None
@@ -117,29 +187,54 @@ class SimRuntime:
                 if seconds:
                     yield self.env.timeout(seconds)
 
+    def _neighbours(self, node: int, eff: Neighbours) -> list[int]:
+        if self.network is None:
+            return self.topology.neighbours(node)
+        return self.network.neighbours(node, eff.round, self.env.now, eff.incoming)
+
     def _recv(self, node: int, recv: Recv) -> Generator[simpy.Event, Any, list[Message]]:
-        """Take the messages ``recv`` asks for, waiting (once) until they have all arrived."""
+        """Take the messages ``recv`` asks for, waiting (once) until they have all arrived
+        or its deadline passed."""
         got = take(self.inbox[node], recv)
         if got is None:
+            if recv.deadline is not None and recv.deadline <= self.env.now:
+                return take(self.inbox[node], recv, partial=True) or []
             self.waiting[node] = recv
             self.missing[node] = recv.count - sum(matches(recv, m) for m in self.inbox[node])
             self.wakeup[node] = self.env.event()
-            yield self.wakeup[node]
+            if recv.deadline is None:
+                yield self.wakeup[node]
+            else:
+                yield self.wakeup[node] | self.env.timeout(recv.deadline - self.env.now)
             del self.waiting[node]
-            got = take(self.inbox[node], recv)
+            got = take(self.inbox[node], recv, partial=recv.deadline is not None)
             assert got is not None
         return got
 
     def _send(self, src: int, eff: Send) -> None:
-        if not self.topology.graph.has_edge(src, eff.dst):
+        net, now = self.network, self.env.now
+        linked = (
+            net.adjacent(src, eff.dst, eff.round, now)
+            if net is not None and net.changes_graph
+            else self.topology.graph.has_edge(src, eff.dst)
+        )
+        if not linked and (net is None or not net.changes_graph):
             raise RunError(
                 f"{self.topology.name(src)} sent to {self.topology.name(eff.dst)}, "
                 "which is not its neighbour"
             )
         msg = Message(eff.kind, src, eff.dst, eff.round, eff.tensors, eff.meta)
         received, size = deliver(msg, choose(self.compression, eff.kind, eff.codec))
+        if net is None:
+            link, lost, jitter = self.topology.link(src, eff.dst), False, 0.0
+        elif not linked:  # the graph changed under the sender: nothing leaves
+            self._record(received, size, now, now, "no_link")
+            return
+        else:
+            link = net.link(src, eff.dst)
+            lost, jitter = net.on_send(src, eff.dst)
         queue = self.uplink[src]
-        queue.append((received, size, self.env.now, self.topology.link(src, eff.dst)))
+        queue.append((received, size, now, link, lost, jitter))
         if len(queue) == 1:
             self._transmit(src)
 
@@ -148,23 +243,33 @@ class SimRuntime:
     # at a tenth of the cost.
     def _transmit(self, src: int) -> None:
         """Put the head of ``src``'s uplink queue on the wire."""
-        _, size, _, link = self.uplink[src][0]
+        _, size, _, link, _, _ = self.uplink[src][0]
         done = self.env.timeout(link.transfer_s(size))
         done.callbacks.append(lambda _: self._transmitted(src))
 
     def _transmitted(self, src: int) -> None:
         """The head's last bit has left ``src``: it arrives ``latency_s`` later, and the
         uplink takes the next message."""
-        msg, size, sent, link = self.uplink[src].popleft()
-        arrival = self.env.timeout(link.latency_s)
-        arrival.callbacks.append(lambda _: self._arrive(msg, size, sent))
+        msg, size, sent, link, lost, jitter = self.uplink[src].popleft()
+        arrival = self.env.timeout(link.latency_s + jitter)
+        arrival.callbacks.append(lambda _: self._arrive(msg, size, sent, lost))
         if self.uplink[src]:
             self._transmit(src)
 
-    def _arrive(self, msg: Message, size: int, sent: float) -> None:
-        src, dst = msg.src, msg.dst
+    def _record(self, msg: Message, size: int, sent: float, at: float, fate: str) -> None:
         name = self.topology.name
-        self.ledger.record(sent, msg.round, name(src), name(dst), msg.kind, size, self.env.now)
+        self.ledger.record(sent, msg.round, name(msg.src), name(msg.dst), msg.kind, size, at, fate)
+
+    def _arrive(self, msg: Message, size: int, sent: float, lost: bool) -> None:
+        src, dst, now = msg.src, msg.dst, self.env.now
+        if self.network is None:
+            self._record(msg, size, sent, now, "delivered")
+        else:
+            self.end = max(self.end, now)
+            fate = self.network.fate(src, dst, sent, now, lost)
+            self._record(msg, size, sent, now, fate)
+            if fate != "delivered":
+                return
         self.inbox[dst].append(msg)
         recv = self.waiting.get(dst)
         if recv is not None and matches(recv, msg):
