@@ -133,7 +133,6 @@ def test_every_message_lost_leaves_the_initial_model(tmp_path):
 
 
 # A probe method: what the deadline, wait and neighbour-view effects return, logged as metrics.
-@METHODS.register("probe_effects")
 @dataclass(kw_only=True, eq=False)
 class Probe(Method):
     def total_rounds(self, num_peers: int) -> int:
@@ -155,7 +154,15 @@ class Probe(Method):
         yield Finish(ctx.init_state())
 
 
-def test_deadline_wait_now_and_the_neighbour_view(tmp_path):
+@pytest.fixture
+def probe():
+    """The probe, registered for one test only (other tests iterate over every method)."""
+    METHODS.register("probe_effects")(Probe)
+    yield
+    METHODS._items.pop("probe_effects")
+
+
+def test_deadline_wait_now_and_the_neighbour_view(tmp_path, probe):
     net = {"crashes": {"at": {2: 0.0}}}  # peer 2 is gone from the start
     run_experiment(
         tmp_path / "p", topology={"kind": "mesh"}, algorithm={"name": "probe_effects"}, network=net

@@ -157,13 +157,18 @@ class FedAvg(Method):
 
     def transfers(self, plan: Plan) -> Iterator[Transfer]:
         """Round r: K models down (phase 2r−1), K models and, with ``weighting: samples``, K
-        sample counts up (phase 2r); then N stop messages. R·(2K·M + K·C_n) + N·C_stop."""
+        sample counts up (phase 2r); then N stop messages. R·(2K·M + K·C_n) + N·C_stop.
+        With ``deadline_s``, when every peer is reachable: the counts ride in the models."""
         server, peers = plan.topology.hub, plan.topology.peers
         for r in range(1, self.rounds + 1):
             chosen = self.sample(peers, plan.seed, r)
             for p in chosen:
                 yield plan.send(server, p, "model", r, 2 * r - 1, plan.state)
             for p in chosen:
+                if self.deadline_s is not None:  # the sample count rides with the model
+                    meta = {"num_samples": plan.num_train[p]}
+                    yield plan.send(p, server, "model", r, 2 * r, plan.state, meta)
+                    continue
                 yield plan.send(p, server, "model", r, 2 * r, plan.state)
                 if self.weighting == "samples":
                     meta = {"num_samples": plan.num_train[p]}

@@ -72,7 +72,8 @@ class SimRuntime:
         self.env = simpy.Environment()
         self.network = network
         self.gone: set[int] = set()  # crashed, or offline for good (a trace that ends down)
-        self.end = 0.0  # with a network: when the last node ended or the last message landed
+        self.end = 0.0  # when the last node ended or the last message landed
+        self.done = False
         self.compression = compression
         self.topology = topology
         self.worker = worker
@@ -104,6 +105,7 @@ class SimRuntime:
             self.env.run()
         finally:
             gc.unfreeze()
+            self.done = True
         stuck = sorted(set(behaviours) - set(self.finals) - self.gone)
         if stuck:
             what = "; ".join(
@@ -114,10 +116,10 @@ class SimRuntime:
 
     @property
     def now(self) -> float:
-        """The run's end time once it is over (with a network, timers still pending when the
-        last node ended — a deadline that was not needed, a crash after the end — don't
-        count)."""
-        return self.env.now if self.network is None else self.end
+        """The clock; once the run is over, when the last node ended or the last message
+        landed (timers still pending then — a deadline that was not needed, a crash after
+        the end — do not count)."""
+        return self.end if self.done else self.env.now
 
     def _crasher(self, process: simpy.Process, node: int) -> Callable[[simpy.Event], None]:
         """The callback that stops ``node`` at its crash time, if it is still running."""
@@ -137,9 +139,6 @@ class SimRuntime:
         return describe(recv, self.topology.name)
 
     def _drive(self, node: int, gen: Behaviour) -> Generator[simpy.Event, Any, None]:
-        if self.network is None:
-            yield from self._steps(node, gen)
-            return
         try:
             yield from self._steps(node, gen)
         except simpy.Interrupt:
@@ -262,10 +261,10 @@ class SimRuntime:
 
     def _arrive(self, msg: Message, size: int, sent: float, lost: bool) -> None:
         src, dst, now = msg.src, msg.dst, self.env.now
+        self.end = max(self.end, now)
         if self.network is None:
             self._record(msg, size, sent, now, "delivered")
         else:
-            self.end = max(self.end, now)
             fate = self.network.fate(src, dst, sent, now, lost)
             self._record(msg, size, sent, now, fate)
             if fate != "delivered":
