@@ -11,6 +11,7 @@ from p2pfl.methods import (  # noqa: F401
     fedseq,
     fisher_merge,
     maecho,
+    pushsum,
     regmean,
 )
 from p2pfl.methods.base import METHODS

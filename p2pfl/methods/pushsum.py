@@ -1,0 +1,106 @@
+"""Stochastic gradient push, SGP (Assran, Loizou, Ballas, Rabbat, ICML 2019, Algorithm 1).
+
+Push-sum makes gossip averaging correct on directed and changing graphs, where mixing
+weights cannot be doubly stochastic: each peer i keeps a numerator x_i and a weight w_i
+(w_i = 1 at the start) and trains the de-biased model z_i = x_i / w_i. Each round k:
+
+1. x_i ← x_i + Δ_i, where Δ_i is the change local training makes to z_i (Alg. 1 line 3:
+   the gradient step, evaluated at z_i, is applied to the numerator);
+2. it keeps the share 1/(d_i + 1) of (x_i, w_i) and pushes one share each to its d_i
+   out-neighbours of round k (Alg. 1 lines 4–5; column-stochastic mixing);
+3. x_i, w_i ← the sums of its own share and the shares received (lines 6–7).
+
+The sum of all weights stays N, so the z_i agree in the limit however the graph changes.
+With ``network.graph: {every: round, kind: s_out, s: ...}`` each peer pushes to s random
+peers each round (the time-varying directed graphs of §4). ``wait_s`` waits at most that long
+for the round's shares; without it a peer waits for every in-neighbour. A lost share takes
+its mass with it: the weights decay, and since a step on z changes x by Δ, z then moves by
+Δ/w — push-sum needs links that deliver (we measured the collapse: docs/dynamics.md). Only floating tensors are push-summed; other
+buffers stay the peer's own. The result is the mean of the peers' z_i.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from p2pfl.core.errors import ConfigError
+from p2pfl.methods.base import METHODS, Method, NodeContext
+from p2pfl.methods.effects import (
+    Behaviour,
+    Evaluate,
+    Finish,
+    Neighbours,
+    Now,
+    Recv,
+    Send,
+    State,
+    Train,
+)
+from p2pfl.network.plan import Plan, Transfer
+from p2pfl.network.topology import Topology
+
+
+def scaled(state: State, factor: float) -> State:
+    """``factor`` times the floating tensors of ``state`` (the others as they are)."""
+    return {k: v * factor if v.is_floating_point() else v for k, v in state.items()}
+
+
+def weight_meta(w: float) -> dict[str, str]:
+    """The push-sum weight as exact fixed-width text, so every share costs the same bytes."""
+    return {"weight": f"{w:.17e}"}
+
+
+@METHODS.register("pushsum")
+@dataclass(kw_only=True, eq=False)
+class PushSum(Method):
+    """SGP: local training on x/w, then push-sum mixing along the round's out-edges."""
+
+    rounds: int = 20
+    wait_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.rounds < 1:
+            raise ConfigError("rounds", "must be >= 1")
+        if self.wait_s is not None and not self.wait_s > 0:
+            raise ConfigError("wait_s", "must be > 0")
+
+    def total_rounds(self, num_peers: int) -> int:
+        return self.rounds
+
+    def check(self, topology: Topology, seed: int) -> None:
+        if topology.server is not None:
+            raise ConfigError(
+                "kind", f"{self.name} is serverless; use a ring, mesh or random graph"
+            )
+
+    def behaviour(self, ctx: NodeContext) -> Behaviour:
+        x, w = ctx.init_state(), 1.0
+        for r in range(1, self.rounds + 1):
+            z = scaled(x, 1 / w)
+            trained = (yield Train(z, r)).state
+            x = {
+                k: x[k] + (trained[k] - z[k]) if x[k].is_floating_point() else trained[k] for k in x
+            }
+            out = yield Neighbours(round=r)
+            incoming = yield Neighbours(round=r, incoming=True)
+            share = 1.0 / (len(out) + 1)
+            x, w = scaled(x, share), w * share
+            for j in out:
+                yield Send(j, "model", r, x, weight_meta(w))
+            deadline = None if self.wait_s is None else (yield Now()) + self.wait_s
+            msgs = yield Recv(count=len(incoming), round=r, deadline=deadline)
+            for m in msgs:
+                x = {k: v + m.tensors[k] if v.is_floating_point() else v for k, v in x.items()}
+                w += float(m.meta["weight"])
+            yield Evaluate(scaled(x, 1 / w), r)
+        yield Finish(scaled(x, 1 / w))
+
+    def transfers(self, plan: Plan) -> Iterator[Transfer]:
+        """Round r: each peer pushes one share (a model and its weight) to each out-neighbour,
+        Σ_i deg(i)·M per round on a static graph, as DFedAvgM."""
+        topology = plan.topology
+        for r in range(1, self.rounds + 1):
+            for i in topology.peers:
+                for j in topology.neighbours(i):
+                    yield plan.send(i, j, "model", r, r, plan.state, weight_meta(0.5))
