@@ -2,6 +2,7 @@
 
 # Importing a method module registers it.
 from p2pfl.methods import (  # noqa: F401
+    adpsgd,
     dfedavgm,
     dfedsam,
     fedavg,
@@ -10,6 +11,7 @@ from p2pfl.methods import (  # noqa: F401
     fedprox,
     fedseq,
     fisher_merge,
+    gossip,
     maecho,
     pushsum,
     regmean,

@@ -6,6 +6,15 @@ neighbours, and mixes: x_i ← Σ_j w_ij x_j with Metropolis–Hastings weights
 w_ij = 1 / (1 + max(deg_i, deg_j)) — symmetric and doubly stochastic; 1/N on a mesh and
 1/3 on a ring. One round moves Σ_i deg(i) models. The result is the mean of all peers.
 
+``wait_s`` lives with a network that misbehaves (``network:``): a peer sends to the
+neighbours it believes reachable, waits at most ``wait_s`` seconds for those that send to it,
+and mixes with the ones that answered; the weight of a neighbour that did not answer stays
+with the peer (the row still sums to 1). ``mixing: uniform`` weighs itself and every answer
+1/(1 + answers) instead of Metropolis–Hastings: the rule for graphs redrawn during the run
+(``network.graph``, possibly directed like ``s_out``), whose degrees a peer cannot know —
+Epidemic Learning's rule (de Vos et al., NeurIPS 2023, Alg. 1); on a static d-regular graph
+the two are the same. Without either option the method is as above, bit for bit.
+
 ``relaxed_init: {beta, aggregate}`` adds FedInit's relaxed start (:mod:`p2pfl.methods.relaxed`)
 in its gossip form (our extension, not in the paper; docs/pans-fedinit.md): a peer starts
 from its mixed model x̄ + β·(x̄ − its last local model). It sends nothing extra.
@@ -15,11 +24,22 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Literal
 
-from p2pfl.core.errors import ConfigError
+from p2pfl.core.errors import ConfigError, RunError
 from p2pfl.learning.state import average_states
 from p2pfl.methods.base import METHODS, Method, NodeContext
-from p2pfl.methods.effects import Behaviour, Evaluate, Finish, Recv, Send, State, Train
+from p2pfl.methods.effects import (
+    Behaviour,
+    Evaluate,
+    Finish,
+    Neighbours,
+    Now,
+    Recv,
+    Send,
+    State,
+    Train,
+)
 from p2pfl.methods.relaxed import RelaxedInit, local_round, parse_relaxed_init
 from p2pfl.network.plan import Plan, Transfer
 from p2pfl.network.topology import Topology
@@ -39,12 +59,16 @@ class DFedAvgM(Method):
     """Local momentum SGD, then one gossip-averaging step with the neighbours, per round."""
 
     rounds: int = 20
+    wait_s: float | None = None
+    mixing: Literal["metropolis", "uniform"] = "metropolis"
     relaxed_init: dict | None = None
     relaxed: RelaxedInit | None = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.rounds < 1:
             raise ConfigError("rounds", "must be >= 1")
+        if self.wait_s is not None and not self.wait_s > 0:
+            raise ConfigError("wait_s", "must be > 0")
         self.relaxed = parse_relaxed_init(self.relaxed_init)
 
     def total_rounds(self, num_peers: int) -> int:
@@ -70,6 +94,36 @@ class DFedAvgM(Method):
         return Train(state, round)
 
     def behaviour(self, ctx: NodeContext) -> Behaviour:
+        if self.wait_s is not None or self.mixing == "uniform":
+            return self.answered_behaviour(ctx)
+        return self.plain_behaviour(ctx)
+
+    def answered_behaviour(self, ctx: NodeContext) -> Behaviour:
+        """Each round: send to the reachable, mix with those that answer in time."""
+        weights = metropolis_weights(ctx.topology, ctx.node)
+        state = ctx.init_state()
+        last = state
+        for r in range(1, self.rounds + 1):
+            last, state = yield from local_round(
+                self.relaxed, self.local_train, state, last, ctx.trainable, r
+            )
+            senders = yield Neighbours(round=r, incoming=True)
+            for j in (yield Neighbours(round=r)):
+                yield Send(j, "model", r, state)
+            deadline = None if self.wait_s is None else (yield Now()) + self.wait_s
+            msgs = yield Recv(count=len(senders), round=r, deadline=deadline)
+            if self.mixing == "uniform":
+                mix = [1.0] * (1 + len(msgs))
+            else:
+                if any(m.src not in weights for m in msgs):
+                    raise RunError("metropolis mixing needs a static graph: set mixing: uniform")
+                answered = [weights[m.src] for m in msgs]
+                mix = [1.0 - sum(answered)] + answered
+            state = average_states([state] + [m.tensors for m in msgs], mix)
+            yield Evaluate(state, r)
+        yield Finish(state)
+
+    def plain_behaviour(self, ctx: NodeContext) -> Behaviour:
         weights = metropolis_weights(ctx.topology, ctx.node)
         state = ctx.init_state()
         last = state  # the last local model (FedInit's per-peer state)

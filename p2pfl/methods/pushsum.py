@@ -15,8 +15,9 @@ With ``network.graph: {every: round, kind: s_out, s: ...}`` each peer pushes to 
 peers each round (the time-varying directed graphs of §4). ``wait_s`` waits at most that long
 for the round's shares; without it a peer waits for every in-neighbour. A lost share takes
 its mass with it: the weights decay, and since a step on z changes x by Δ, z then moves by
-Δ/w — push-sum needs links that deliver (we measured the collapse: docs/dynamics.md). Only floating tensors are push-summed; other
-buffers stay the peer's own. The result is the mean of the peers' z_i.
+Δ/w — push-sum needs links that deliver (we measured the collapse: docs/dynamics.md).
+Only floating tensors are push-summed; other buffers stay the peer's own. The result
+is the mean of the peers' z_i.
 """
 
 from __future__ import annotations

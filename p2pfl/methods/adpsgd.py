@@ -1,0 +1,122 @@
+"""AD-PSGD (Lian, Zhang, Zhang, Liu, "Asynchronous decentralized parallel stochastic gradient
+descent", ICML 2018, Algorithm 1), on any serverless graph with active and passive peers.
+
+Each iteration k, every peer i (Algorithm 1):
+
+1. computes a local update on its model as it is now, ``x̂_i`` (possibly stale by the time it
+   is applied: the peer keeps averaging meanwhile) — here ``Train``, whose change
+   ``Δ_i = trained − x̂_i`` stands for −γ·∇F_i(x̂_i);
+2. averages atomically with one random neighbour j: x_i, x_j ← (x_i + x_j) / 2;
+3. applies its update: x_i ← x_i + Δ_i.
+
+The atomic pairwise average is the protocol of §4: peers are split in two groups (even ids
+are active, odd ids passive; on a bipartite graph such as an even ring every edge joins the
+two), so two averagings never wait on each other. An active peer sends its model to a passive
+neighbour drawn at random among those it believes online, trains meanwhile, then takes the
+partner's reply (the partner's model before it averaged) and averages with it. A passive peer
+waits up to ``reply_timeout_s`` for a request, answers at once every request there with its
+model and averages with each, then trains on the model it had before (its stale copy). A reply
+that does not come within ``reply_timeout_s`` of the request (lost, or the partner offline)
+is not waited for: the active peer applies its update alone. The result is the mean of the
+peers' final models.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from p2pfl.core.errors import ConfigError
+from p2pfl.core.seeding import numpy_rng
+from p2pfl.learning.state import average_states
+from p2pfl.methods.base import METHODS, Method, NodeContext
+from p2pfl.methods.effects import (
+    Behaviour,
+    Evaluate,
+    Finish,
+    Neighbours,
+    Now,
+    Recv,
+    Send,
+    State,
+    Train,
+)
+from p2pfl.network.topology import Topology
+
+
+def is_active(node: int) -> bool:
+    """The bipartite split of §4: even peers start the averagings, odd peers answer."""
+    return node % 2 == 0
+
+
+def applied(x: State, stale: State, trained: State) -> State:
+    """x + (trained − stale): a local update computed on ``stale``, applied to ``x``."""
+    return {
+        k: x[k] + (trained[k] - stale[k]) if x[k].is_floating_point() else trained[k] for k in x
+    }
+
+
+@METHODS.register("adpsgd")
+@dataclass(kw_only=True, eq=False)
+class ADPSGD(Method):
+    """Asynchronous pairwise averaging between active and passive peers, with stale updates."""
+
+    rounds: int = 20
+    reply_timeout_s: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.rounds < 1:
+            raise ConfigError("rounds", "must be >= 1")
+        if not self.reply_timeout_s > 0:
+            raise ConfigError("reply_timeout_s", "must be > 0")
+
+    def total_rounds(self, num_peers: int) -> int:
+        return self.rounds
+
+    def check(self, topology: Topology, seed: int) -> None:
+        if topology.server is not None:
+            raise ConfigError(
+                "kind", f"{self.name} is serverless; use a ring, mesh or random graph"
+            )
+        for i in topology.peers:
+            if is_active(i) and not any(not is_active(j) for j in topology.neighbours(i)):
+                raise ConfigError(
+                    "kind", f"active (even) peer {i} has no passive (odd) neighbour to average with"
+                )
+
+    def behaviour(self, ctx: NodeContext) -> Behaviour:
+        return self.active(ctx) if is_active(ctx.node) else self.passive(ctx)
+
+    def active(self, ctx: NodeContext) -> Behaviour:
+        x = ctx.init_state()
+        for k in range(1, self.rounds + 1):
+            partners = [j for j in (yield Neighbours()) if not is_active(j)]
+            partner = None
+            if partners:
+                partner = int(numpy_rng(ctx.seed, "adpsgd", ctx.node, k).choice(partners))
+                asked = yield Now()
+                yield Send(partner, "model", k, x, {"request": True})
+            stale = x
+            trained = (yield Train(stale, k)).state
+            if partner is not None:
+                deadline = asked + self.reply_timeout_s
+                reply = yield Recv(src=partner, round=k, deadline=deadline)
+                if reply:
+                    x = average_states([x, reply[0].tensors])
+            x = applied(x, stale, trained)
+            yield Evaluate(x, k)
+        yield Finish(x)
+
+    def passive(self, ctx: NodeContext) -> Behaviour:
+        x = ctx.init_state()
+        for k in range(1, self.rounds + 1):
+            stale = x
+            # wait (a while) for a first request, then take every one that is there
+            first = yield Recv(deadline=(yield Now()) + self.reply_timeout_s)
+            requests = first + (yield Recv(count=len(ctx.peers), deadline=(yield Now())))
+            for m in sorted(requests, key=lambda m: m.src):
+                yield Send(m.src, "model", m.round, x, {"reply": True})
+                x = average_states([x, m.tensors])
+            trained = (yield Train(stale, k)).state
+            x = applied(x, stale, trained)
+            yield Evaluate(x, k)
+        yield Finish(x)
