@@ -114,6 +114,8 @@ def run(setup: Setup, out: Path, progress: bool = False, transport: str = "sim")
             finals, baselines, clock, comm = (
                 outcome.finals, outcome.baselines, outcome.elapsed_s, outcome.comm
             )  # fmt: skip
+            if setup.network is not None:
+                save_availability(setup.network, clock, out)
         summary |= _results(setup, finals, clock, reporters)
         if baselines:
             summary["baselines"] = baselines

@@ -22,10 +22,12 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Set
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 import zmq
 
 from p2pfl.core.errors import ConfigError, RunError
@@ -37,7 +39,7 @@ from p2pfl.network.message import Message
 from p2pfl.network.wire import decode, encode
 from p2pfl.reporting.reporters import CsvReporter, Reporter
 from p2pfl.runtime.setup import Setup
-from p2pfl.runtime.sockets import TransportConfig, ZmqNode
+from p2pfl.runtime.sockets import Crashed, TransportConfig, ZmqNode
 from p2pfl.runtime.worker import Worker
 
 
@@ -93,15 +95,17 @@ def run_peer(
     name = setup.topology.name(node)
     mine = out / "peers" / name
     mine.mkdir(parents=True, exist_ok=True)
-    metrics, ledger = CsvReporter(mine), Ledger(mine / "comm.csv")
+    metrics, ledger = CsvReporter(mine), Ledger(mine / "comm.csv", setup.network is not None)
     worker = Worker(
         setup.trainer, setup.data, setup.train, setup.population, setup.topology, setup.seed,
         metrics, setup.eval.every, setup.method.total_rounds(setup.topology.num_peers), out,
     )  # fmt: skip
     zn = ZmqNode(
-        node, setup.topology, worker, ledger, transport, from_section(setup.config["compression"])
-    )
+        node, setup.topology, worker, ledger, transport, from_section(setup.config["compression"]),
+        setup.network,
+    )  # fmt: skip
     result: dict[str, Any] = {"node": name, "status": "failed"}
+    warm_up()
     try:
         if coordinator:
             addresses = _handshake(zn, coordinator, transport)
@@ -114,6 +118,9 @@ def run_peer(
             (mine / "final.bin").write_bytes(encode(Message("model", node, node, 0, finish.state)))
         result |= {"status": "ok", "output": finish.output, "baselines": worker.baselines}
         return 0
+    except Crashed as e:  # the network's doing, not a failure
+        result |= {"status": "crashed", "error": str(e), "output": False, "baselines": {}}
+        return 0
     except (RunError, ConfigError, zmq.ZMQError) as e:
         result["error"] = str(e)
         print(f"error: peer {name}: {e}", file=sys.stderr)
@@ -124,6 +131,16 @@ def run_peer(
         metrics.close()
         ledger.close()
         zn.close()
+
+
+def warm_up() -> None:
+    """Pay torch's one-off costs (its optimizer's lazy imports: over a second, many more when
+    every node starts at once on a few cores) before the run's clock starts, so that they do
+    not eat into a method's deadlines. Touches no random stream."""
+    p = torch.zeros(1, requires_grad=True)
+    opt = torch.optim.SGD([p], lr=0.1, momentum=0.9)
+    p.sum().backward()
+    opt.step()
 
 
 def _handshake(zn: ZmqNode, coordinator: str, transport: TransportConfig) -> dict[int, str]:
@@ -179,10 +196,12 @@ def launch(setup: Setup, out: Path, config_file: Path, reporters: Reporter) -> O
         for ident, _ in addresses.values():
             ctl.send_multipart([ident, json.dumps({"addresses": {
                 str(n): ep for n, (_, ep) in addresses.items()}, "t0": t0}).encode()])  # fmt: skip
+        crashed: set[int] = set()
         while any(p.poll() is None for p in procs.values()):
-            _check(procs, out, setup)
+            _crash(procs, setup, t0, crashed)
+            _check(procs, out, setup, crashed)
             time.sleep(0.05)
-        _check(procs, out, setup)
+        _check(procs, out, setup, crashed)
     finally:
         _stop(procs)
         ctl.close()
@@ -210,11 +229,24 @@ def _gather_hellos(ctl, procs, out: Path, setup: Setup, transport: TransportConf
     return hellos
 
 
-def _check(procs: dict[int, subprocess.Popen], out: Path, setup: Setup) -> None:
-    """Raise a ``RunError`` naming the first node that failed or died."""
+def _crash(procs: dict[int, subprocess.Popen], setup: Setup, t0: float, crashed: set[int]) -> None:
+    """Kill (SIGKILL) every node whose crash time (``network.crashes``) has come."""
+    if setup.network is None:
+        return
+    for n, at in setup.network.crash_at.items():
+        if n not in crashed and time.time() - t0 >= at:
+            crashed.add(n)
+            if procs[n].poll() is None:
+                procs[n].kill()
+
+
+def _check(
+    procs: dict[int, subprocess.Popen], out: Path, setup: Setup, crashed: Set[int] = frozenset()
+) -> None:
+    """Raise a ``RunError`` naming the first node that failed or died (not of a crash)."""
     for n, p in procs.items():
         code = p.poll()
-        if code is None or code == 0:
+        if code is None or code == 0 or n in crashed:
             continue
         name = setup.topology.name(n)
         result = out / "peers" / name / "result.json"
@@ -256,12 +288,12 @@ def _merge(out: Path, nodes: list[int], setup: Setup, reporters: Reporter) -> di
     )
     for t, rnd, peer, metric, value in metrics:
         reporters.log(float(t), int(rnd), peer, metric, float(value))
-    ledger = Ledger(out / "comm.csv")
+    ledger = Ledger(out / "comm.csv", setup.network is not None)
     comm = sorted(
         (r for n in names for r in _rows(out / "peers" / n / "comm.csv")), key=lambda r: float(r[0])
     )
-    for t, rnd, src, dst, kind, nbytes, arrival in comm:
-        ledger.record(float(t), int(rnd), src, dst, kind, int(nbytes), float(arrival))
+    for t, rnd, src, dst, kind, nbytes, arrival, *fate in comm:
+        ledger.record(float(t), int(rnd), src, dst, kind, int(nbytes), float(arrival), *fate)
     ledger.close()
     return ledger.summary()
 
@@ -272,6 +304,8 @@ def _collect(out: Path, nodes: list[int], setup: Setup) -> tuple[dict[int, Finis
     baselines: dict[str, float] = {}
     for n in nodes:
         mine = out / "peers" / setup.topology.name(n)
+        if not (mine / "result.json").is_file():  # killed by its crash before it could write
+            continue
         result = json.loads((mine / "result.json").read_text())
         state = None
         if (mine / "final.bin").is_file():

@@ -8,6 +8,14 @@ the simulation does (``mailbox.take``), so the same seed gives the same models. 
 that fail to decode, or that claim a sender that is not a neighbour, are dropped with a
 logged reason. With ``transport.curve_keys`` every socket uses CURVE encryption and only
 holders of a listed key can connect.
+
+With a ``network:`` section every process builds the same seeded :class:`Network` and lives
+it in wall-clock time: an offline node drops what reaches it (recorded as ``offline``) and
+its next ``Send``, ``Train`` or ``Compute`` waits until it is back; a message its link loses,
+one across a partition, or one to a peer known to have crashed is not sent at all (the sender
+records it, with the bytes it would have cost). Crashes are real: the launcher kills the
+process at its time (and a node that finds itself past its crash time stops). Latency jitter
+is the real network's own; the drawn one is not added.
 """
 
 from __future__ import annotations
@@ -24,13 +32,24 @@ import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
 from p2pfl.core.errors import ConfigError, RunError
-from p2pfl.methods.effects import Behaviour, Finish, Recv, Send
+from p2pfl.methods.effects import (
+    Behaviour,
+    Compute,
+    Finish,
+    Neighbours,
+    Now,
+    Recv,
+    Send,
+    Train,
+    Wait,
+)
 from p2pfl.network.codecs import Compression, choose
+from p2pfl.network.dynamics import Network
 from p2pfl.network.ledger import Ledger
 from p2pfl.network.message import Message
 from p2pfl.network.topology import Topology
 from p2pfl.network.wire import WireError, decode, encode_parts
-from p2pfl.runtime.mailbox import describe, take
+from p2pfl.runtime.mailbox import describe, matches, take
 from p2pfl.runtime.worker import Worker
 
 log = logging.getLogger("p2pfl.transport")
@@ -80,6 +99,10 @@ def check_curve_keys(transport: TransportConfig, topology: Topology, nodes: Iter
             keys.public_of(topology.name(other))
 
 
+class Crashed(RunError):
+    """This node reached its crash time (``network.crashes``) or left for good."""
+
+
 class ZmqNode:
     """Runs one node's behaviour over sockets; local effects go to the shared ``Worker``."""
 
@@ -91,8 +114,10 @@ class ZmqNode:
         ledger: Ledger,
         transport: TransportConfig,
         compression: Compression | None = None,
+        network: Network | None = None,
     ) -> None:
         self.node = node
+        self.network = network
         self.topology = topology
         self.worker = worker
         self.ledger = ledger
@@ -124,9 +149,13 @@ class ZmqNode:
         return self.inbox_socket.getsockopt_string(zmq.LAST_ENDPOINT)
 
     def connect(self, addresses: dict[int, str]) -> None:
-        """Open a PUSH socket to every neighbour's inbox."""
+        """Open a PUSH socket to every neighbour's inbox (to every node, when the network
+        redraws the graph)."""
         timeout_ms = int(self.transport.timeout_s * 1000)
-        for j in self.topology.neighbours(self.node):
+        others = self.topology.neighbours(self.node)
+        if self.network is not None and self.network.changes_graph:
+            others = [j for j in sorted(self.topology.graph.nodes) if j != self.node]
+        for j in others:
             sock = self.context.socket(zmq.PUSH)
             sock.setsockopt(zmq.SNDTIMEO, timeout_ms)
             sock.setsockopt(zmq.LINGER, timeout_ms)  # deliver what is queued before closing
@@ -150,19 +179,53 @@ class ZmqNode:
             except StopIteration:
                 break
             value = None
+            if self.network is not None:
+                self._live(isinstance(eff, (Send, Train, Compute)))
             if isinstance(eff, Send):
                 self._send(eff)
             elif isinstance(eff, Recv):
                 value = self._recv(eff)
             elif isinstance(eff, Finish):
                 self.finish = eff
+            elif isinstance(eff, Now):
+                value = self.now()
+            elif isinstance(eff, Wait):
+                self._drain_until(eff.until)
+            elif isinstance(eff, Neighbours):
+                value = self._neighbours(eff)
             else:
                 value, _ = self.worker.perform(self.node, eff, self.now())
         if self.finish is None:
             raise RunError(f"{self.name} ended without declaring its final model")
         return self.finish
 
+    def _live(self, acts: bool) -> None:
+        """Stop at the crash time; before an action (``acts``), wait while offline."""
+        net = self.network
+        assert net is not None
+        if net.crashed(self.node, self.now()):
+            raise Crashed(f"{self.name} crashed at t={net.crash_at[self.node]:g}s")
+        if acts and not net.online(self.node, self.now()):
+            back = net.next_online(self.node, self.now())
+            if back == float("inf"):
+                raise Crashed(f"{self.name} went offline for good")
+            self._drain_until(back)
+
+    def _drain_until(self, until: float) -> None:
+        """Sleep until ``until`` on the run's clock, taking in (or, offline, dropping) frames."""
+        while (remaining := until - self.now()) > 0:
+            if self.inbox_socket.poll(max(1, int(remaining * 1000))):
+                self.accept([f.buffer for f in self.inbox_socket.recv_multipart(copy=False)])
+
+    def _neighbours(self, eff: Neighbours) -> list[int]:
+        if self.network is None:
+            return self.topology.neighbours(self.node)
+        return self.network.neighbours(self.node, eff.round, self.now(), eff.incoming)
+
     def close(self) -> None:
+        if self.network is not None:  # a peer that is gone never takes what is queued for it
+            for sock in self.outboxes.values():
+                sock.setsockopt(zmq.LINGER, min(2000, int(self.transport.timeout_s * 1000)))
         for sock in self.outboxes.values():
             sock.close()  # waits up to LINGER for queued frames
         self.inbox_socket.close()
@@ -176,14 +239,41 @@ class ZmqNode:
         msg = Message(eff.kind, self.node, eff.dst, eff.round, eff.tensors, eff.meta)
         try:
             compression = choose(self.compression, eff.kind, eff.codec)
-            self.outboxes[eff.dst].send_multipart(encode_parts(msg, compression), copy=False)
+            parts = encode_parts(msg, compression)
+            if self.network is not None and (fate := self._fate_at_send(eff)) is not None:
+                now, size = self.now(), sum(memoryview(p).nbytes for p in parts)
+                name = self.topology.name
+                self.ledger.record(
+                    now, msg.round, self.name, name(eff.dst), msg.kind, size, now, fate
+                )
+                self.ledger.flush()
+                return
+            self.outboxes[eff.dst].send_multipart(parts, copy=False)
         except zmq.Again:
             raise RunError(
                 f"{self.name} could not hand a message to {self.topology.name(eff.dst)} "
                 f"within {self.transport.timeout_s:g} s"
             ) from None
 
+    def _fate_at_send(self, eff: Send) -> str | None:
+        """What the network does to this message before it leaves (``None``: it goes)."""
+        net, now = self.network, self.now()
+        assert net is not None
+        if net.changes_graph and not net.adjacent(self.node, eff.dst, eff.round, now):
+            return "no_link"
+        lost, _ = net.on_send(self.node, eff.dst)  # drawn for every message, as simulated
+        if net.partitioned(self.node, eff.dst, now):
+            return "partitioned"
+        if lost:
+            return "lost"
+        if net.crashed(eff.dst, now):
+            return "crashed"
+        return None
+
     def _recv(self, recv: Recv) -> list[Message]:
+        if recv.deadline is not None:
+            self._drain_until_taken(recv)
+            return take(self.inbox, recv, partial=True) or []
         deadline = time.monotonic() + self.transport.timeout_s
         while (got := take(self.inbox, recv)) is None:
             remaining = deadline - time.monotonic()
@@ -195,6 +285,16 @@ class ZmqNode:
             if self.inbox_socket.poll(max(1, int(remaining * 1000))):
                 self.accept([f.buffer for f in self.inbox_socket.recv_multipart(copy=False)])
         return got
+
+    def _drain_until_taken(self, recv: Recv) -> None:
+        """Take in frames until ``recv`` is satisfied or its deadline has passed."""
+        assert recv.deadline is not None
+        while not sum(matches(recv, m) for m in self.inbox) >= recv.count:
+            remaining = recv.deadline - self.now()
+            if remaining <= 0:
+                return
+            if self.inbox_socket.poll(max(1, int(remaining * 1000))):
+                self.accept([f.buffer for f in self.inbox_socket.recv_multipart(copy=False)])
 
     def accept(self, parts: list[memoryview]) -> Message | None:
         """Decode and check one multipart frame; keep it, or drop it with a logged reason."""
@@ -211,7 +311,11 @@ class ZmqNode:
             return None
         now = self.now()
         name = self.topology.name
-        self.ledger.record(now, msg.round, name(msg.src), self.name, msg.kind, size, now)
+        offline = self.network is not None and not self.network.online(self.node, now)
+        fate = "offline" if offline else "delivered"
+        self.ledger.record(now, msg.round, name(msg.src), self.name, msg.kind, size, now, fate)
         self.ledger.flush()  # a peer that is killed later keeps what it recorded
+        if offline:
+            return None
         self.inbox.append(msg)
         return msg
