@@ -13,11 +13,16 @@ mean over those runs). It writes:
   ``config.yaml``.
 - ``partition-I``: the samples-per-class heat-map of every distinct partition (I = 1, 2, ...;
   the title names the first run that has it).
+- ``availability`` (when a run has a ``network:`` section, which writes
+  ``availability.csv``): test accuracy against simulated time on top and, under it on the
+  same time axis, the number of peers online (a step function of the online intervals; the
+  mean over a line's runs; every peer for a run without the section).
 """
 
 from __future__ import annotations
 
 import csv
+import json
 from bisect import bisect_right
 from collections import defaultdict
 from dataclasses import dataclass
@@ -51,6 +56,8 @@ class Run:
     config: dict[str, Any]
     metrics: list[dict[str, str]]
     comm: list[dict[str, str]]
+    availability: list[tuple[int, float, float]] | None = None
+    """``availability.csv`` as (peer, online from, online to) rows; None without the file."""
 
 
 def _rows(path: Path) -> list[dict[str, str]]:
@@ -61,7 +68,13 @@ def _rows(path: Path) -> list[dict[str, str]]:
 def read_run(path: Path) -> Run:
     try:
         config = yaml.safe_load((path / "config.yaml").read_text())
-        return Run(path, config, _rows(path / "metrics.csv"), _rows(path / "comm.csv"))
+        run = Run(path, config, _rows(path / "metrics.csv"), _rows(path / "comm.csv"))
+        if (path / "availability.csv").is_file():
+            run.availability = [
+                (int(r["peer"]), float(r["online_from"]), float(r["online_to"]))
+                for r in _rows(path / "availability.csv")
+            ]
+        return run
     except OSError as e:
         raise ConfigError("", f"not a finished run: {e.strerror}: {e.filename}") from None
 
@@ -74,9 +87,10 @@ def line_name(keys: list[str], labels: dict[str, Any]) -> str:
 
 def expand(paths: list[Path]) -> list[tuple[str, list[Run]]]:
     """(label, runs) lines: a run is its own line; a sweep's finished cells are grouped by
-    every sweep key but ``seed``."""
+    every sweep key but ``seed`` (named after the sweep too when there are several paths)."""
     lines = []
     for path in paths:
+        prefix = f"{path.name}: " if len(paths) > 1 else ""
         if (path / "summary.json").is_file():
             lines.append((path.name, [read_run(path)]))
         elif (path / "cells.csv").is_file():
@@ -85,7 +99,7 @@ def expand(paths: list[Path]) -> list[tuple[str, list[Run]]]:
             groups: dict[str, list[Run]] = {}
             for row in rows:
                 if row["status"] in ("ok", "done"):
-                    name = line_name(keys, row)
+                    name = prefix + line_name(keys, row)
                     groups.setdefault(name, []).append(read_run(path / row["cell"]))
             lines += groups.items()
         else:
@@ -102,7 +116,11 @@ def curve(run: Run) -> tuple[np.ndarray, bool]:
     for r in run.metrics:
         if r["metric"] == "accuracy" and r["peer"] != "final":
             points[int(r["round"])].append((float(r["value"]), float(r["time"])))
-    arrivals = sorted((float(r["arrival"]), int(r["bytes"])) for r in run.comm)
+    arrivals = sorted(
+        (float(r["arrival"]), int(r["bytes"]))
+        for r in run.comm
+        if r.get("fate", "delivered") == "delivered"  # lost ones never arrived
+    )
     times = [a for a, _ in arrivals]
     delivered = np.concatenate([[0], np.cumsum([b for _, b in arrivals])])
     out = []
@@ -151,7 +169,10 @@ def accuracy_figure(lines: list[tuple[str, list[Run]]]) -> Figure:
     for ax in axes:
         ax.grid(alpha=0.3)
     handles, labels = axes[0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="outside lower center", ncols=min(3, len(labels)), fontsize=8)
+    fit = max(1, 180 // max(len(label) for label in labels))  # long labels: fewer columns
+    fig.legend(
+        handles, labels, loc="outside lower center", ncols=min(3, len(labels), fit), fontsize=8
+    )
     fig.suptitle("Test accuracy of the output model per round")
     return fig
 
@@ -240,12 +261,75 @@ def save_partitions(lines: list[tuple[str, list[Run]]], out: Path) -> list[Path]
     return paths
 
 
+def online_count(intervals: list[tuple[float, float]], times: np.ndarray) -> np.ndarray:
+    """How many of the online ``intervals`` [from, to) hold each of ``times``: the number of
+    peers online then (one peer's intervals never overlap)."""
+    starts = np.sort([a for a, _ in intervals])
+    stops = np.sort([b for _, b in intervals])
+    return np.searchsorted(starts, times, side="right") - np.searchsorted(stops, times, "right")
+
+
+def run_end(run: Run) -> float:
+    """The run's simulated end (``summary.json``), else the last online interval's end."""
+    try:
+        return float(json.loads((run.path / "summary.json").read_text())["sim_time_s"])
+    except (OSError, ValueError, KeyError):
+        return max((b for _, _, b in run.availability or []), default=0.0)
+
+
+def online_curve(runs: list[Run]) -> tuple[np.ndarray, np.ndarray]:
+    """(times, peers online): a step function (value from each time to the next) up to the
+    shortest run's end, the mean over ``runs`` at every time any of them changes. A run
+    without ``availability.csv`` (no ``network:`` section) has every peer online."""
+    end = min(run_end(r) for r in runs)
+    last = end - 1e-6 * max(1.0, end)  # availability.csv has 9 digits: its last stop is ~end
+    edges = {t for r in runs for _, a, b in r.availability or [] for t in (a, b)}
+    times = np.array(sorted({0.0} | {t for t in edges if 0 <= t < last}))
+    counts = [
+        online_count([(a, b) for _, a, b in r.availability], times)
+        if r.availability is not None
+        else np.full(len(times), int(r.config["peers"]["count"]))
+        for r in runs
+    ]
+    values = np.mean(counts, axis=0)
+    return np.append(times, end), np.append(values, values[-1])
+
+
+def availability_figure(lines: list[tuple[str, list[Run]]]) -> Figure:
+    """Accuracy against simulated time, and under it the peers online on the same axis."""
+    fig = Figure(figsize=(9, 6.4), layout="constrained")
+    top, bottom = fig.subplots(2, 1, sharex=True, height_ratios=[2, 1])
+    counts = set()
+    for i, (name, runs) in enumerate(lines):
+        c, _ = mean_curve(runs)
+        text = f"{name} (mean of {len(runs)} runs)" if len(runs) > 1 else name
+        style = {"linestyle": LINES[i % len(LINES)], "color": f"C{i % 10}"}
+        top.plot(c[:, 3], c[:, 1], marker=MARKERS[i % len(MARKERS)], markersize=3, label=text,
+                 **style)  # fmt: skip
+        times, online = online_curve(runs)
+        bottom.plot(times, online, drawstyle="steps-post", linewidth=1.2, **style)
+        counts |= {int(r.config["peers"]["count"]) for r in runs}
+    top.set(ylabel="test accuracy")
+    bottom.set_ylim(0, 1.08 * max(counts))
+    peers = f" (of {counts.pop()})" if len(counts) == 1 else ""
+    bottom.set(xlabel="simulated time (s)", ylabel=f"peers online{peers}")
+    bottom.yaxis.set_major_locator(MaxNLocator(integer=True))
+    for ax in (top, bottom):
+        ax.grid(alpha=0.3)
+    handles, labels = top.get_legend_handles_labels()
+    fig.legend(handles, labels, loc="outside lower center", ncols=min(2, len(labels)), fontsize=8)
+    fig.suptitle("Test accuracy and peers online against simulated time")
+    return fig
+
+
 def plot_runs(paths: list[Path], out: Path) -> list[Path]:
     """Every figure of the runs (and sweeps) in ``paths``, written to ``out``."""
     lines = expand(paths)
     out.mkdir(parents=True, exist_ok=True)
     written = save(accuracy_figure(lines), out, "accuracy")
     written += save(traffic_figure(lines), out, "traffic")
+    if any(r.availability is not None for _, runs in lines for r in runs):
+        written += save(availability_figure(lines), out, "availability")
     return written + save_partitions(lines, out)
 
 
