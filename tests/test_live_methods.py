@@ -134,3 +134,39 @@ def test_epidemic_learning_sends_as_many_messages_as_the_static_regular_graph(tm
     )  # fmt: skip
     assert static["comm"]["messages"] == redrawn["comm"]["messages"] == 3 * 8 * 3
     assert fates(tmp_path / "r") == {"delivered"}
+
+
+FEDSEQ = {"name": "fedseq", "cycles": 2, "retry_s": 0.05}
+MESH = {"kind": "mesh"}
+
+
+def test_a_skipping_chain_on_a_reliable_network_is_fedseq(tmp_path):
+    plain = run_experiment(tmp_path / "p", **DATA, topology=MESH, algorithm=FEDSEQ)
+    skip = run_experiment(
+        tmp_path / "s", **DATA, topology=MESH, algorithm=FEDSEQ | {"skip_offline": True}
+    )
+    assert stripped(plain) == stripped(skip)
+    for name in ("metrics.csv", "comm.csv"):
+        assert (tmp_path / "p" / name).read_bytes() == (tmp_path / "s" / name).read_bytes()
+
+
+def test_a_skipping_chain_passes_over_offline_and_crashed_peers(tmp_path):
+    """Peer 2 is offline from the start until long after the run; peer 4 has crashed: the
+    chain goes 0 1 3 5 6 7 (and round again), their turns counted as taken."""
+    trace = tmp_path / "trace.csv"
+    trace.write_text("0,2,down\n100,2,up\n")
+    net = {"churn": {"trace": str(trace)}, "crashes": {"at": {4: 0.0}}}
+    algorithm = FEDSEQ | {"skip_offline": True}
+    with pytest.raises(Exception, match="deadlock"):
+        run_experiment(tmp_path / "p", **DATA, topology=MESH, algorithm=FEDSEQ, network=net)
+    summary = run_experiment(
+        tmp_path / "s", **DATA, topology=MESH, algorithm=algorithm, network=net
+    )
+    with open(tmp_path / "s/comm.csv") as f:
+        hops = [(r["src"], r["dst"], r["round"], r["fate"]) for r in csv.DictReader(f)]
+    chain = ["0", "1", "3", "5", "6", "7"] * 2
+    assert [(s, d) for s, d, _, _ in hops] == list(zip(chain, chain[1:], strict=False))
+    assert {f for *_, f in hops} == {"delivered"}
+    assert [int(r) for _, _, r, _ in hops] == [1, 3, 5, 6, 7, 8, 9, 11, 13, 14, 15]
+    assert [p["accuracy"] is None for p in summary["per_peer"]] == [i in (2, 4) for i in range(8)]
+    assert summary["final"]["accuracy"] > 0.5

@@ -50,7 +50,10 @@ class Recv:
 
     Returns them as a list sorted by sender, then by arrival, so the order never depends
     on timing. With a ``deadline`` (a time on the run's clock, see ``Now``) it returns at
-    the latest then, with the matching messages that arrived (fewer, or none).
+    the latest then, with the matching messages that arrived (fewer, or none);
+    ``deadline=math.inf`` waits until the run is over (simulated: when nothing else can
+    happen; over sockets: ``transport.timeout_s`` without them) — a peer listening for a turn
+    that may never come.
     """
 
     kinds: tuple[str, ...] = ("model",)

@@ -3,10 +3,20 @@
 Peers form a chain in ``order`` (index order, or a seeded permutation); peer 1 starts from
 the shared init. One cycle moves N−1 models; with ``cycles: T`` the last peer sends back to
 the first and the chain repeats, T·N−1 models in all. The output is the last peer's model.
+
+``skip_offline: true`` lives with a network that misbehaves: the holder passes the model to
+the next peer of the chain that it believes online and has a link to (``Neighbours``),
+passing over the others — their turns are lost, the hop count goes on as if they had taken
+them. If no later peer is reachable it waits, checking every ``retry_s`` seconds (at most 10
+times), and then ends the chain: its model is the output. A peer that never got a turn
+finishes without a model when the run is over. On a mesh any peer can be passed over; on a
+ring only the next one is linked, so an offline successor is waited for. Without the option
+the chain is the plain one above, bit for bit.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Literal
@@ -14,7 +24,19 @@ from typing import Literal
 from p2pfl.core.errors import ConfigError
 from p2pfl.core.seeding import numpy_rng
 from p2pfl.methods.base import METHODS, Method, NodeContext
-from p2pfl.methods.effects import Behaviour, Evaluate, Finish, Recv, Send, State, Steps, Train
+from p2pfl.methods.effects import (
+    Behaviour,
+    Evaluate,
+    Finish,
+    Neighbours,
+    Now,
+    Recv,
+    Send,
+    State,
+    Steps,
+    Train,
+    Wait,
+)
 from p2pfl.network.plan import Plan, Transfer
 from p2pfl.network.topology import Topology
 
@@ -26,10 +48,14 @@ class FedSeq(Method):
 
     cycles: int = 1
     order: Literal["index", "random"] = "index"
+    skip_offline: bool = False
+    retry_s: float = 1.0
 
     def __post_init__(self) -> None:
         if self.cycles < 1:
             raise ConfigError("cycles", "must be >= 1")
+        if not self.retry_s > 0:
+            raise ConfigError("retry_s", "must be > 0")
 
     def chain(self, peers: list[int], seed: int) -> list[int]:
         """The visiting order of the peers."""
@@ -54,6 +80,44 @@ class FedSeq(Method):
         return self.cycles * num_peers
 
     def behaviour(self, ctx: NodeContext) -> Behaviour:
+        return self.skipping(ctx) if self.skip_offline else self.plain(ctx)
+
+    def skipping(self, ctx: NodeContext) -> Behaviour:
+        """The chain passing over peers that are offline (``skip_offline``)."""
+        chain = self.chain(ctx.peers, ctx.seed)
+        n, pos, last = len(chain), chain.index(ctx.node), self.cycles * len(ctx.peers)
+        state: State | None = None
+        hop, received = 1, self.start(ctx)
+        if pos != 0:  # wait for a first turn, which may never come
+            msgs = yield Recv(kinds=("model",), deadline=math.inf)
+            if not msgs:
+                yield Finish(None)
+                return
+            hop, received = msgs[0].round + 1, msgs[0].tensors
+        while True:
+            state = yield from self.turn(ctx, received, hop)
+            yield Evaluate(state, hop)
+            later = [h for h in range(hop + 1, last + 1) if chain[(h - 1) % n] != ctx.node]
+            target = None
+            for _ in range(10 if later else 0):
+                online = set((yield Neighbours()))
+                target = next((h for h in later if chain[(h - 1) % n] in online), None)
+                if target is not None:
+                    break
+                yield Wait(until=(yield Now()) + self.retry_s)
+            if target is None:  # the chain ends here
+                yield Finish(state, output=True)
+                return
+            yield Send(chain[(target - 1) % n], "model", target - 1, state)
+            if not any(chain[(h - 1) % n] == ctx.node for h in range(target + 1, last + 1)):
+                break  # no turn of ours is left
+            msgs = yield Recv(kinds=("model",), deadline=math.inf)
+            if not msgs:
+                break
+            hop, received = msgs[0].round + 1, msgs[0].tensors
+        yield Finish(state)
+
+    def plain(self, ctx: NodeContext) -> Behaviour:
         chain = self.chain(ctx.peers, ctx.seed)
         n, pos = len(chain), chain.index(ctx.node)
         state: State | None = None

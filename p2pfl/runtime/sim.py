@@ -103,6 +103,13 @@ class SimRuntime:
         gc.freeze()
         try:
             self.env.run()
+            for _ in range(10 * len(behaviours)):  # bounded: each pass ends a listener's wait
+                listeners = [n for n, r in self.waiting.items() if r.deadline == math.inf]
+                if not listeners:
+                    break
+                for n in listeners:  # the run is over: a receive "until the end" returns now
+                    self.wakeup[n].succeed()
+                self.env.run()
         finally:
             gc.unfreeze()
             self.done = True
@@ -201,8 +208,8 @@ class SimRuntime:
             self.waiting[node] = recv
             self.missing[node] = recv.count - sum(matches(recv, m) for m in self.inbox[node])
             self.wakeup[node] = self.env.event()
-            if recv.deadline is None:
-                yield self.wakeup[node]
+            if recv.deadline is None or recv.deadline == math.inf:
+                yield self.wakeup[node]  # an endless deadline: woken by the run's end
             else:
                 yield self.wakeup[node] | self.env.timeout(recv.deadline - self.env.now)
             del self.waiting[node]
