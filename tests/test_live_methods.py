@@ -170,3 +170,24 @@ def test_a_skipping_chain_passes_over_offline_and_crashed_peers(tmp_path):
     assert [int(r) for _, _, r, _ in hops] == [1, 3, 5, 6, 7, 8, 9, 11, 13, 14, 15]
     assert [p["accuracy"] is None for p in summary["per_peer"]] == [i in (2, 4) for i in range(8)]
     assert summary["final"]["accuracy"] > 0.5
+
+
+FEDFISHER = {"name": "fedfisher", "select": "final", "fisher": "diag"}
+
+
+def test_a_one_shot_deadline_aggregates_those_that_reported(tmp_path):
+    star, crash = {"kind": "star"}, {"crashes": {"at": {2: 0.0}}}
+    plain = run_experiment(tmp_path / "p", **DATA, topology=star, algorithm=FEDFISHER)
+    timed = FEDFISHER | {"deadline_s": 5.0}
+    same = run_experiment(tmp_path / "t", **DATA, topology=star, algorithm=timed)
+    assert stripped(plain) == stripped(same)  # everyone reports: the deadline changes nothing
+    with pytest.raises(Exception, match="deadlock"):
+        run_experiment(tmp_path / "c", **DATA, topology=star, algorithm=FEDFISHER, network=crash)
+    summary = run_experiment(tmp_path / "d", **DATA, topology=star, algorithm=timed, network=crash)
+    assert summary["status"] == "ok" and summary["sim_time_s"] >= 5.0
+    with open(tmp_path / "d/comm.csv") as f:
+        uploads = {r["src"] for r in csv.DictReader(f) if r["dst"] == "server"}
+    assert uploads == {"0", "1", "3", "4", "5", "6", "7"}  # 2 crashed before it trained
+    assert summary["per_peer"][2]["accuracy"] is None
+    with pytest.raises(ConfigError, match="select: final"):
+        build(experiment(**DATA, algorithm=timed | {"select": "val"}))

@@ -15,7 +15,8 @@ two), so two averagings never wait on each other. An active peer sends its model
 neighbour drawn at random among those it believes online, trains meanwhile, then takes the
 partner's reply (the partner's model before it averaged) and averages with it. A passive peer
 waits up to ``reply_timeout_s`` for a request, answers at once every request there with its
-model and averages with each, then trains on the model it had before (its stale copy). A reply
+model and averages with each, then trains on the model it had before (its stale copy); after
+its own iterations it goes on answering until the run is over. A reply
 that does not come within ``reply_timeout_s`` of the request (lost, or the partner offline)
 is not waited for: the active peer applies its update alone. The result is the mean of the
 peers' final models.
@@ -23,6 +24,8 @@ peers' final models.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from p2pfl.core.errors import ConfigError
@@ -40,6 +43,7 @@ from p2pfl.methods.effects import (
     State,
     Train,
 )
+from p2pfl.network.plan import Plan, Transfer
 from p2pfl.network.topology import Topology
 
 
@@ -92,7 +96,7 @@ class ADPSGD(Method):
             partners = [j for j in (yield Neighbours()) if not is_active(j)]
             partner = None
             if partners:
-                partner = int(numpy_rng(ctx.seed, "adpsgd", ctx.node, k).choice(partners))
+                partner = self.partner(partners, ctx.seed, ctx.node, k)
                 asked = yield Now()
                 yield Send(partner, "model", k, x, {"request": True})
             stale = x
@@ -119,4 +123,25 @@ class ADPSGD(Method):
             trained = (yield Train(stale, k)).state
             x = applied(x, stale, trained)
             yield Evaluate(x, k)
+        while requests := (yield Recv(deadline=math.inf)):  # serve late requests to the end
+            for m in requests:
+                yield Send(m.src, "model", m.round, x, {"reply": True})
+                x = average_states([x, m.tensors])
         yield Finish(x)
+
+    def transfers(self, plan: Plan) -> Iterator[Transfer]:
+        """With every peer online: each iteration every active peer sends one request to the
+        passive neighbour its stream draws and gets one reply, 2·M per active peer and
+        iteration (a passive peer answers every request, after its own iterations too)."""
+        topology = plan.topology
+        for k in range(1, self.rounds + 1):
+            for i in topology.peers:
+                partners = [j for j in topology.neighbours(i) if not is_active(j)]
+                if is_active(i) and partners:
+                    j = self.partner(partners, plan.seed, i, k)
+                    yield plan.send(i, j, "model", k, 2 * k - 1, plan.state, {"request": True})
+                    yield plan.send(j, i, "model", k, 2 * k, plan.state, {"reply": True})
+
+    def partner(self, passive: list[int], seed: int, node: int, k: int) -> int:
+        """The passive neighbour an active peer averages with in iteration ``k`` (seeded)."""
+        return int(numpy_rng(seed, "adpsgd", node, k).choice(passive))

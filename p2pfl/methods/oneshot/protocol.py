@@ -21,6 +21,8 @@ summary.json with ``Report``; their statistics are uploaded too (and counted).
 
 from __future__ import annotations
 
+import math
+from collections import Counter
 from collections.abc import Generator, Iterator
 from dataclasses import dataclass, fields
 from functools import cached_property, partial
@@ -29,7 +31,7 @@ from typing import Any, ClassVar, Literal, cast
 import torch
 from torch import Tensor, nn
 
-from p2pfl.core.errors import ConfigError
+from p2pfl.core.errors import ConfigError, RunError
 from p2pfl.data.federated import FederatedData
 from p2pfl.learning.curvature import covered_layers
 from p2pfl.learning.state import average_states
@@ -93,8 +95,11 @@ class OneShot(UploadOnce):
     triangle: bool = True
     select: Literal["val", "final"] = "val"
     baselines: tuple[str, ...] = ("fedavg",)
+    deadline_s: float | None = None
 
     def __post_init__(self) -> None:
+        if self.deadline_s is not None and not self.deadline_s > 0:
+            raise ConfigError("deadline_s", "must be > 0")
         for b in self.baselines:
             if b not in BASELINES:
                 raise ConfigError("baselines", f"unknown baseline {b!r}; choose from {BASELINES}")
@@ -142,6 +147,12 @@ class OneShot(UploadOnce):
                     "model.name",
                     f"{self.name} needs {'/'.join(self.kinds())} statistics of every layer: {e}",
                 ) from None
+        if self.deadline_s is not None and self.voting():
+            raise ConfigError(
+                "algorithm.deadline_s",
+                f"{self.name} with select: val waits for every peer's vote; "
+                "with a deadline set algorithm.select: final",
+            )
         if self.voting() and not any(len(p.val_y) for p in data.peers):
             raise ConfigError(
                 "partition.val_fraction",
@@ -221,21 +232,36 @@ class OneShot(UploadOnce):
             if self.voting():
                 (msg,) = yield Recv(kinds=("model",), round=VALIDATION)
                 yield from self.vote(ctx, unstack(msg.tensors, msg.meta["count"]), [msg.src])
+            if self.deadline_s is not None:  # the result may never come: keep the own model
+                got = yield Recv(kinds=("model",), round=RESULT, deadline=math.inf)
+                yield Finish(got[0].tensors if got else trained)
+                return
             (msg,) = yield Recv(kinds=("model",), round=RESULT)
             yield Finish(msg.tensors)
             return
-        msgs = yield Recv(
-            kinds=("model", "statistics"), count=len(others) * len(parts), round=UPLOAD
-        )
+        msgs = yield from self.uploads(len(others) * len(parts), len(parts))
         uploads = self.read(as_received(parts, ctx.node, UPLOAD) + msgs)
         state = yield from self.aggregate(ctx, uploads, report=ctx.node == ctx.peers[0])
         yield Finish(state)
 
+    def uploads(self, count: int, per_peer: int) -> Generator[Effect, Any, list[Message]]:
+        """The ``count`` upload messages; with ``deadline_s``, the complete uploads (all
+        ``per_peer`` parts of a peer) that arrived by then — at least one."""
+        if self.deadline_s is None:
+            return (yield Recv(kinds=("model", "statistics"), count=count, round=UPLOAD))
+        deadline = self.deadline_s  # from the start of the run
+        msgs = yield Recv(
+            kinds=("model", "statistics"), count=count, round=UPLOAD, deadline=deadline
+        )
+        parts = Counter(m.src for m in msgs)
+        complete = [m for m in msgs if parts[m.src] == per_peer]
+        if not complete:
+            raise RunError(f"no complete upload arrived by the deadline (t={deadline:g}s)")
+        return complete
+
     def centre(self, ctx: NodeContext) -> Behaviour:
         per_peer = 1 + len(self.kinds())
-        msgs = yield Recv(
-            kinds=("model", "statistics"), count=len(ctx.peers) * per_peer, round=UPLOAD
-        )
+        msgs = yield from self.uploads(len(ctx.peers) * per_peer, per_peer)
         state = yield from self.aggregate(ctx, self.read(msgs), report=True)
         for p in ctx.peers:
             yield Send(p, "model", RESULT, state)
