@@ -191,3 +191,17 @@ def test_a_one_shot_deadline_aggregates_those_that_reported(tmp_path):
     assert summary["per_peer"][2]["accuracy"] is None
     with pytest.raises(ConfigError, match="select: final"):
         build(experiment(**DATA, algorithm=timed | {"select": "val"}))
+
+
+def test_ma_echo_with_a_deadline_merges_those_that_reported(tmp_path):
+    star, crash = {"kind": "star"}, {"crashes": {"at": {5: 0.0}}}
+    maecho = {"name": "maecho", "tau": 5, "ensemble": False}
+    plain = run_experiment(tmp_path / "p", **DATA, topology=star, algorithm=maecho)
+    timed = maecho | {"deadline_s": 5.0}
+    assert stripped(plain) == stripped(run_experiment(tmp_path / "t", **DATA, topology=star,
+                                                      algorithm=timed))  # fmt: skip
+    summary = run_experiment(tmp_path / "d", **DATA, topology=star, algorithm=timed, network=crash)
+    with open(tmp_path / "d/comm.csv") as f:
+        uploads = {r["src"] for r in csv.DictReader(f) if r["dst"] == "server"}
+    assert uploads == {"0", "1", "2", "3", "4", "6", "7"}
+    assert summary["status"] == "ok" and summary["per_peer"][5]["accuracy"] is None

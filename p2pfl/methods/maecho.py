@@ -365,6 +365,7 @@ class MAEcho(UploadOnce):
     ensemble: bool = True
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.tau < 0:
             raise ConfigError("tau", "must be >= 0")
         if self.eta <= 0:
@@ -449,10 +450,14 @@ class MAEcho(UploadOnce):
             yield Send(dst, "model", 1, local)
             yield Send(dst, "statistics", 1, tensors, meta)
         if self.placement == "star":
+            if self.deadline_s is not None:  # the result may never come: keep the own model
+                got = yield Recv(kinds=("model",), round=1, src=ctx.server, deadline=math.inf)
+                yield Finish(got[0].tensors if got else local)
+                return
             (msg,) = yield Recv(kinds=("model",), round=1, src=ctx.server)
             yield Finish(msg.tensors)
             return
-        msgs = yield Recv(kinds=("model", "statistics"), count=2 * len(targets), round=1)
+        msgs = yield from self.uploads(2 * len(targets), 2)
         received = contributions(msgs)
         received[ctx.node] = Contribution(local, unpack(tensors, stats.classifier))
         model = yield from self.combine(received, report=ctx.node == min(ctx.peers))
@@ -461,8 +466,7 @@ class MAEcho(UploadOnce):
 
     def centre(self, ctx: NodeContext) -> Behaviour:
         """The star's centre: aggregate every upload, report baselines, send the model back."""
-        n = len(ctx.peers)
-        msgs = yield Recv(kinds=("model", "statistics"), count=2 * n, round=1)
+        msgs = yield from self.uploads(2 * len(ctx.peers), 2)
         model = yield from self.combine(contributions(msgs), report=True)
         yield Evaluate(model, 1)
         for p in ctx.peers:

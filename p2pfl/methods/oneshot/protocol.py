@@ -22,7 +22,6 @@ summary.json with ``Report``; their statistics are uploaded too (and counted).
 from __future__ import annotations
 
 import math
-from collections import Counter
 from collections.abc import Generator, Iterator
 from dataclasses import dataclass, fields
 from functools import cached_property, partial
@@ -31,7 +30,7 @@ from typing import Any, ClassVar, Literal, cast
 import torch
 from torch import Tensor, nn
 
-from p2pfl.core.errors import ConfigError, RunError
+from p2pfl.core.errors import ConfigError
 from p2pfl.data.federated import FederatedData
 from p2pfl.learning.curvature import covered_layers
 from p2pfl.learning.state import average_states
@@ -95,11 +94,9 @@ class OneShot(UploadOnce):
     triangle: bool = True
     select: Literal["val", "final"] = "val"
     baselines: tuple[str, ...] = ("fedavg",)
-    deadline_s: float | None = None
 
     def __post_init__(self) -> None:
-        if self.deadline_s is not None and not self.deadline_s > 0:
-            raise ConfigError("deadline_s", "must be > 0")
+        super().__post_init__()
         for b in self.baselines:
             if b not in BASELINES:
                 raise ConfigError("baselines", f"unknown baseline {b!r}; choose from {BASELINES}")
@@ -243,21 +240,6 @@ class OneShot(UploadOnce):
         uploads = self.read(as_received(parts, ctx.node, UPLOAD) + msgs)
         state = yield from self.aggregate(ctx, uploads, report=ctx.node == ctx.peers[0])
         yield Finish(state)
-
-    def uploads(self, count: int, per_peer: int) -> Generator[Effect, Any, list[Message]]:
-        """The ``count`` upload messages; with ``deadline_s``, the complete uploads (all
-        ``per_peer`` parts of a peer) that arrived by then — at least one."""
-        if self.deadline_s is None:
-            return (yield Recv(kinds=("model", "statistics"), count=count, round=UPLOAD))
-        deadline = self.deadline_s  # from the start of the run
-        msgs = yield Recv(
-            kinds=("model", "statistics"), count=count, round=UPLOAD, deadline=deadline
-        )
-        parts = Counter(m.src for m in msgs)
-        complete = [m for m in msgs if parts[m.src] == per_peer]
-        if not complete:
-            raise RunError(f"no complete upload arrived by the deadline (t={deadline:g}s)")
-        return complete
 
     def centre(self, ctx: NodeContext) -> Behaviour:
         per_peer = 1 + len(self.kinds())
