@@ -13,8 +13,11 @@ What is here, by what it is for:
 
 - registries, one per kind of component: ``METHODS`` (``algorithm.name``), ``MODELS``
   (``model.name``), ``DATASETS`` (``dataset.name``), ``PARTITIONERS`` (``partition.name``),
-  ``GRAPHS`` (``topology.kind``), ``CODECS`` (``compression.KIND.codec``) and ``REPORTERS``
-  (``eval.reporters``);
+  ``GRAPHS`` (``topology.kind``), ``CODECS`` (``compression.KIND.codec``), ``REPORTERS``
+  (``eval.reporters``), ``ATTACKS`` (``adversary.attack``) and ``AGGREGATORS``
+  (``algorithm.aggregator``);
+- attacking and defending: ``Attack`` (the base class of an attack) and ``View`` (what an
+  attacker knows when it sends), ``Aggregator`` (the base class of an aggregation rule);
 - writing a method: ``Method`` (the base class), ``NodeContext`` (what one node knows), the
   effects its behaviour yields (``Send``, ``Recv``, ``Now``, ``Wait``, ``Neighbours``,
   ``Train``, ``Compute``, ``Evaluate``, ``Report``, ``Artifact``, ``Log``, ``Finish``;
@@ -36,8 +39,10 @@ from p2pfl.data.datasets import DATASETS, Dataset
 from p2pfl.data.federated import PeerData
 from p2pfl.data.partition import PARTITIONERS
 from p2pfl.learning.models import MODELS
+from p2pfl.learning.robust import AGGREGATORS, Aggregator
 from p2pfl.learning.state import State, average_states
 from p2pfl.learning.training import TrainResult
+from p2pfl.methods.attacks import ATTACKS, Attack, View
 from p2pfl.methods.base import METHODS, Method, NodeContext
 from p2pfl.methods.effects import (
     Artifact,
@@ -62,7 +67,10 @@ from p2pfl.reporting.reporters import REPORTERS, Reporter
 
 __all__ = [
     # registries
-    "CODECS", "DATASETS", "GRAPHS", "METHODS", "MODELS", "PARTITIONERS", "REPORTERS",
+    "CODECS", "DATASETS", "GRAPHS", "METHODS", "MODELS", "PARTITIONERS", "REPORTERS", "ATTACKS",
+    "AGGREGATORS",
+    # attacks and defences
+    "Attack", "View", "Aggregator",
     # methods and their effects
     "Method", "NodeContext", "Behaviour", "Send", "Recv", "Now", "Wait", "Neighbours", "Train",
     "Compute", "Evaluate",

@@ -46,6 +46,10 @@ SAME_AS_SIM = {
         "model": {"name": "mlp", "hidden": [32], "bias": False},
         "algorithm": {"name": "maecho", "placement": "mesh"},
     },
+    "fedavg-attacked-krum": {  # issue 18: seeded Gaussian attackers, the same bits over sockets
+        "algorithm": {"name": "fedavg", "rounds": 2, "aggregator": "krum"},
+        "adversary": {"fraction": 0.5, "attack": {"name": "gaussian", "std": 0.05}},
+    },
     "fedfisher-mesh-compressed": {  # uploads under the int16 codec that Send names
         "topology": {"kind": "mesh"},
         "algorithm": {"name": "fedfisher", "placement": "mesh", "compress": True, "steps": 20},
@@ -82,6 +86,7 @@ def test_zmq_run_gives_the_simulated_models(tmp_path, case):
     assert a["per_peer"] == b["per_peer"]
     assert a["comm"] == b["comm"]
     assert a.get("baselines") == b.get("baselines")
+    assert a.get("adversary") == b.get("adversary")
     for name in ("metrics.csv", "comm.csv"):
         assert len((tmp_path / "zmq" / name).read_text().splitlines()) == len(
             (tmp_path / "sim" / name).read_text().splitlines()

@@ -1,13 +1,14 @@
-"""More p2pfl plug-in components: a model, a dataset, a graph, a codec and a reporter
-(docs/extending.md).
+"""More p2pfl plug-in components: a model, a dataset, a graph, a codec, a reporter, an attack
+and an aggregation rule (docs/extending.md).
 
-``components.yaml`` beside this file runs them together with ``push_gossip.py``'s method
-and partitioner.
+``components.yaml`` beside this file runs the first five together with ``push_gossip.py``'s
+method and partitioner; ``adversary.yaml`` runs the attack against the rule.
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import networkx as nx
@@ -15,15 +16,22 @@ import torch
 from torch import Tensor, nn
 
 from p2pfl.api import (
+    AGGREGATORS,
+    ATTACKS,
     CODECS,
     DATASETS,
     GRAPHS,
     MODELS,
     REPORTERS,
+    Aggregator,
+    Attack,
     Codec,
     ConfigError,
     Dataset,
     Reporter,
+    State,
+    View,
+    average_states,
 )
 
 
@@ -104,3 +112,27 @@ class JsonLines(Reporter):
 
     def close(self) -> None:
         self._file.close()
+
+
+@ATTACKS.register("stale")
+@dataclass(kw_only=True, frozen=True)
+class Stale(Attack):
+    """Send the model training started from: the update vanishes."""
+
+    def corrupt(self, honest: State, view: View) -> State:
+        return {k: v.clone() for k, v in view.start.items()}
+
+
+@AGGREGATORS.register("near_mean")
+@dataclass(kw_only=True, frozen=True)
+class NearMean(Aggregator):
+    """The mean of the center and the models within ``radius`` of it (L2 over all tensors)."""
+
+    radius: float = 1.0
+
+    def __call__(self, center, others, weights, center_weight) -> State:
+        def distance(state: State) -> float:
+            return sum(float((state[k] - v).square().sum()) for k, v in center.items()) ** 0.5
+
+        near = [s for s in others if distance(s) <= self.radius]
+        return average_states([center, *near])

@@ -26,6 +26,7 @@ from p2pfl.data.partition import PARTITIONERS
 from p2pfl.learning.models import resolve_model
 from p2pfl.learning.training import TrainConfig
 from p2pfl.methods import METHODS
+from p2pfl.methods.attacks import resolve_adversary
 from p2pfl.network.codecs import resolve_section as resolve_compression
 from p2pfl.network.dynamics import resolve_network
 from p2pfl.network.peers import build_population
@@ -35,7 +36,7 @@ from p2pfl.runtime.sockets import TransportConfig
 
 SECTIONS = (
     "name", "seed", "dataset", "partition", "model", "topology", "peers", "algorithm", "train",
-    "eval", "transport", "compression", "plugins", "network",
+    "eval", "transport", "compression", "plugins", "network", "adversary",
 )  # fmt: skip
 DEFAULTS: dict[str, Any] = {
     "seed": 0,
@@ -170,6 +171,11 @@ def resolve(raw: dict[str, Any], file: Path) -> dict[str, Any]:
             out["network"] = _network(_section(config, "network"), file)
         except ConfigError as e:
             raise e.within("network") from None
+    if "adversary" in config:  # only when given, like network
+        try:
+            out["adversary"] = resolve_adversary(_section(config, "adversary"))
+        except ConfigError as e:
+            raise e.within("adversary") from None
     return out
 
 

@@ -23,6 +23,7 @@ from p2pfl.data.federated import make_federated_data
 from p2pfl.learning.state import average_states
 from p2pfl.learning.training import TrainConfig, Trainer, resolve_device
 from p2pfl.methods import METHODS
+from p2pfl.methods.attacks import build_adversary
 from p2pfl.methods.effects import Finish, State
 from p2pfl.network.codecs import from_section
 from p2pfl.network.dynamics import Network
@@ -78,6 +79,12 @@ def build(config: dict[str, Any], transport: str = "sim") -> Setup:
         data = make_federated_data(dataset, config["partition"], topology.num_peers, seed)
     except ConfigError as e:
         raise e.within("peers" if e.key == "count" else "partition") from None
+    adversary = None
+    if "adversary" in config:
+        adversary = _within("adversary", build_adversary, config["adversary"], topology, seed)
+    if adversary is not None:  # a data attack changes what the attackers train on
+        for p in adversary.peers:
+            data.peers[p] = adversary.attack.poison(data.peers[p], data.num_classes)
     train = TrainConfig(**config["train"])
     train.check_data(data.peers)
     method.check_data(copy.deepcopy(trainer.module(torch.device("cpu"))), data)
@@ -92,7 +99,9 @@ def build(config: dict[str, Any], transport: str = "sim") -> Setup:
         method.check(topology, seed)
     except ConfigError as e:
         raise TopologyMisfit(e.key, e.message).within("topology") from None
-    return Setup(config, method, population, topology, trainer, data, train, evaluation, network)
+    return Setup(
+        config, method, population, topology, trainer, data, train, evaluation, network, adversary
+    )
 
 
 def run(setup: Setup, out: Path, progress: bool = False, transport: str = "sim") -> dict[str, Any]:
@@ -151,7 +160,7 @@ def _simulate(
     compression = from_section(setup.config["compression"])
     runtime = SimRuntime(setup.topology, worker, ledger, compression, setup.network)
     try:
-        behaviours = {n: setup.method.behaviour(ctx) for n, ctx in setup.contexts().items()}
+        behaviours = {n: setup.behaviour(ctx) for n, ctx in setup.contexts().items()}
         finals = runtime.run(behaviours)
     except Exception as e:
         raise RunError(f"at t={runtime.now:.3f}s: {e}") from e
@@ -223,4 +232,14 @@ def _results(
         for p in setup.topology.peers:
             state = finals[p].state if p in finals else None
             per_peer.append({"peer": p, "accuracy": None if state is None else score(state)[0]})
+    if setup.adversary is not None:
+        bad = set(setup.adversary.peers)
+        honest = [
+            r["accuracy"] for r in per_peer if r["peer"] not in bad and r["accuracy"] is not None
+        ]
+        results["adversary"] = {
+            "attack": setup.adversary.name,
+            "peers": list(setup.adversary.peers),
+            "honest_accuracy": sum(honest) / len(honest) if honest else None,
+        }
     return results | {"final": {"accuracy": acc, "loss": loss}, "per_peer": per_peer}

@@ -3,6 +3,7 @@
 # Importing a method module registers it.
 from p2pfl.methods import (  # noqa: F401
     adpsgd,
+    attacks,
     dfedavgm,
     dfedsam,
     fedavg,

@@ -15,6 +15,11 @@ with the peer (the row still sums to 1). ``mixing: uniform`` weighs itself and e
 Epidemic Learning's rule (de Vos et al., NeurIPS 2023, Alg. 1); on a static d-regular graph
 the two are the same. Without either option the method is as above, bit for bit.
 
+``aggregator:`` replaces the mixing step by a robust rule (:mod:`p2pfl.learning.robust`)
+against attacking neighbours (``adversary:``): ``median`` and ``trimmed_mean`` over the peer
+and its neighbours, or ClippedGossip (``clipped_gossip``, He, Karimireddy, Jaggi 2022), which
+keeps the mixing weights but clips each neighbour's pull. It sends exactly what mixing sends.
+
 ``relaxed_init: {beta, aggregate}`` adds FedInit's relaxed start (:mod:`p2pfl.methods.relaxed`)
 in its gossip form (our extension, not in the paper; docs/pans-fedinit.md): a peer starts
 from its mixed model x̄ + β·(x̄ − its last local model). It sends nothing extra.
@@ -27,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from p2pfl.core.errors import ConfigError, RunError
-from p2pfl.learning.state import average_states
+from p2pfl.learning.robust import Aggregator, parse_aggregator
 from p2pfl.methods.base import METHODS, Method, NodeContext
 from p2pfl.methods.effects import (
     Behaviour,
@@ -61,8 +66,10 @@ class DFedAvgM(Method):
     rounds: int = 20
     wait_s: float | None = None
     mixing: Literal["metropolis", "uniform"] = "metropolis"
+    aggregator: str | dict = "mean"
     relaxed_init: dict | None = None
     relaxed: RelaxedInit | None = field(init=False, repr=False)
+    rule: Aggregator = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.rounds < 1:
@@ -70,6 +77,7 @@ class DFedAvgM(Method):
         if self.wait_s is not None and not self.wait_s > 0:
             raise ConfigError("wait_s", "must be > 0")
         self.relaxed = parse_relaxed_init(self.relaxed_init)
+        self.rule = parse_aggregator(self.aggregator)
 
     def total_rounds(self, num_peers: int) -> int:
         return self.rounds
@@ -119,7 +127,7 @@ class DFedAvgM(Method):
                     raise RunError("metropolis mixing needs a static graph: set mixing: uniform")
                 answered = [weights[m.src] for m in msgs]
                 mix = [1.0 - sum(answered)] + answered
-            state = average_states([state] + [m.tensors for m in msgs], mix)
+            state = self.rule(state, [m.tensors for m in msgs], mix[1:], mix[0])
             yield Evaluate(state, r)
         yield Finish(state)
 
@@ -134,7 +142,7 @@ class DFedAvgM(Method):
             for j in ctx.neighbours:
                 yield Send(j, "model", r, state)
             msgs = yield Recv(count=len(ctx.neighbours), round=r)
-            states = [state] + [m.tensors for m in msgs]
-            state = average_states(states, [weights[ctx.node]] + [weights[m.src] for m in msgs])
+            others = [m.tensors for m in msgs]
+            state = self.rule(state, others, [weights[m.src] for m in msgs], weights[ctx.node])
             yield Evaluate(state, r)
         yield Finish(state)

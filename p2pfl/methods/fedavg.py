@@ -15,6 +15,11 @@ arrived (none: it keeps its model); a model carries its sample count in its meta
 run when the server's stop message does not reach them. Without it, a lost message stalls
 the round (reported as a deadlock), exactly as before.
 
+``aggregator:`` replaces the server's mean by a robust rule (:mod:`p2pfl.learning.robust`:
+``median``, ``trimmed_mean``, ``krum``, ``centered_clipping``, ...) against attacking peers
+(``adversary:``). A robust rule is unweighted (an attacker could lie about its sample
+count), so with one the peers send no sample counts: R·K fewer ``control`` messages.
+
 ``relaxed_init: {beta, aggregate}`` is FedInit (:mod:`p2pfl.methods.relaxed`): each peer
 starts its local training from the relaxed point and keeps its last local model, in the
 client's own behaviour; the server and the messages stay exactly as above.
@@ -28,7 +33,7 @@ from typing import Literal
 
 from p2pfl.core.errors import ConfigError
 from p2pfl.core.seeding import numpy_rng
-from p2pfl.learning.state import average_states
+from p2pfl.learning.robust import Aggregator, Mean, parse_aggregator
 from p2pfl.methods.base import METHODS, Method, NodeContext
 from p2pfl.methods.effects import (
     Behaviour,
@@ -56,8 +61,10 @@ class FedAvg(Method):
     participation: float = 1.0
     weighting: Literal["samples", "uniform"] = "samples"
     deadline_s: float | None = None
+    aggregator: str | dict = "mean"
     relaxed_init: dict | None = None
     relaxed: RelaxedInit | None = field(init=False, repr=False)
+    rule: Aggregator = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.rounds < 1:
@@ -67,6 +74,12 @@ class FedAvg(Method):
         if self.deadline_s is not None and not self.deadline_s > 0:
             raise ConfigError("deadline_s", "must be > 0")
         self.relaxed = parse_relaxed_init(self.relaxed_init)
+        self.rule = parse_aggregator(self.aggregator)
+
+    @property
+    def sends_counts(self) -> bool:
+        """Whether peers send their sample counts: for the sample-weighted mean only."""
+        return self.weighting == "samples" and isinstance(self.rule, Mean)
 
     def total_rounds(self, num_peers: int) -> int:
         return self.rounds
@@ -100,9 +113,9 @@ class FedAvg(Method):
             models = yield Recv(count=len(chosen), round=r, deadline=deadline)
             if models:
                 weights = [m.meta["num_samples"] for m in models]
-                if self.weighting == "uniform":
+                if not self.sends_counts:
                     weights = [1] * len(models)
-                state = average_states([m.tensors for m in models], weights)
+                state = self.rule(state, [m.tensors for m in models], weights, 0.0)
             yield Evaluate(state, r)
         for p in ctx.peers:
             yield Send(p, "control", self.rounds, {}, {"stop": True})
@@ -131,11 +144,11 @@ class FedAvg(Method):
                 yield Send(p, "model", r, state)
             models = yield Recv(count=len(chosen), round=r)
             weights = [1] * len(models)
-            if self.weighting == "samples":
+            if self.sends_counts:
                 sizes = yield Recv(kinds=("control",), count=len(chosen), round=r)
                 count = {m.src: m.meta["num_samples"] for m in sizes}
                 weights = [count[m.src] for m in models]
-            state = average_states([m.tensors for m in models], weights)
+            state = self.rule(state, [m.tensors for m in models], weights, 0.0)
             yield Evaluate(state, r)
         for p in ctx.peers:
             yield Send(p, "control", self.rounds, {}, {"stop": True})
@@ -151,13 +164,13 @@ class FedAvg(Method):
                 self.relaxed, self.local_train, msg.tensors, held, ctx.trainable, msg.round
             )
             yield Send(msg.src, "model", msg.round, upload)
-            if self.weighting == "samples":
+            if self.sends_counts:
                 yield Send(msg.src, "control", msg.round, {}, {"num_samples": ctx.num_samples})
         yield Finish(held)
 
     def transfers(self, plan: Plan) -> Iterator[Transfer]:
-        """Round r: K models down (phase 2r−1), K models and, with ``weighting: samples``, K
-        sample counts up (phase 2r); then N stop messages. R·(2K·M + K·C_n) + N·C_stop.
+        """Round r: K models down (phase 2r−1), K models and, with ``weighting: samples`` and
+        the mean, K sample counts up (phase 2r); then N stop messages. R·(2K·M + K·C_n) + N·C_stop.
         With ``deadline_s``, when every peer is reachable: the counts ride in the models."""
         server, peers = plan.topology.hub, plan.topology.peers
         for r in range(1, self.rounds + 1):
@@ -170,7 +183,7 @@ class FedAvg(Method):
                     yield plan.send(p, server, "model", r, 2 * r, plan.state, meta)
                     continue
                 yield plan.send(p, server, "model", r, 2 * r, plan.state)
-                if self.weighting == "samples":
+                if self.sends_counts:
                     meta = {"num_samples": plan.num_train[p]}
                     yield plan.send(p, server, "control", r, 2 * r, meta=meta)
         last, stop = self.rounds, 2 * self.rounds + 1

@@ -113,7 +113,7 @@ def run_peer(
             assert addresses is not None
             zn.bind(addresses[node])
         zn.connect(addresses)
-        finish = zn.run(setup.method.behaviour(setup.contexts()[node]))
+        finish = zn.run(setup.behaviour(setup.contexts()[node]))
         if finish.state is not None:
             (mine / "final.bin").write_bytes(encode(Message("model", node, node, 0, finish.state)))
         result |= {"status": "ok", "output": finish.output, "baselines": worker.baselines}

@@ -12,7 +12,9 @@ from p2pfl.core.options import bind
 from p2pfl.core.seeding import derive_seed
 from p2pfl.data.federated import FederatedData
 from p2pfl.learning.training import TrainConfig, Trainer
+from p2pfl.methods.attacks import Adversary, attacked
 from p2pfl.methods.base import Method, NodeContext
+from p2pfl.methods.effects import Behaviour
 from p2pfl.network.dynamics import Network
 from p2pfl.network.peers import Population
 from p2pfl.network.topology import Topology
@@ -56,10 +58,18 @@ class Setup:
     train: TrainConfig
     eval: EvalConfig
     network: Network | None = None  # the ``network:`` section, if the run has one
+    adversary: Adversary | None = None  # the ``adversary:`` section, if it names attackers
 
     @property
     def seed(self) -> int:
         return self.config["seed"]
+
+    def behaviour(self, ctx: NodeContext) -> Behaviour:
+        """The behaviour node ``ctx.node`` runs: the method's, wrapped if it attacks."""
+        behaviour = self.method.behaviour(ctx)
+        if self.adversary is not None and ctx.node in self.adversary.peers:
+            return attacked(behaviour, self.adversary, ctx)
+        return behaviour
 
     def contexts(self) -> dict[int, NodeContext]:
         init_seed = derive_seed(self.seed, "init")
