@@ -21,7 +21,7 @@ data:
 	  || echo "warning: could not install dataset-fashion-mnist; its tests will be skipped"
 
 run: install
-	$(VENV)/bin/p2pfl run experiments/quickstart.yaml --out runs/quickstart
+	$(VENV)/bin/p2pfl run experiments/quickstart.yaml --out runs/quickstart --force
 
 test: install data
 	$(VENV)/bin/python -m pytest -q

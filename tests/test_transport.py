@@ -178,14 +178,17 @@ def test_a_peer_whose_neighbour_never_comes_up_times_out(tmp_path):
     assert result["status"] == "failed"
 
 
-def live_node(keys: str | None = None, node: int = 1, to: dict[int, str] | None = None) -> ZmqNode:
+def live_node(
+    keys: str | None = None, node: int = 1, to: dict[int, str] | None = None, schema=None
+) -> ZmqNode:
     """A real node of a 3-peer mesh, bound on loopback, with no worker (it only receives).
 
-    Its neighbours' addresses are ``to`` (default: a closed port, so sends go nowhere).
+    Its neighbours' addresses are ``to`` (default: a closed port, so sends go nowhere);
+    ``schema``: the model tensors it checks received messages against.
     """
     topo = build_topology({"kind": "mesh"}, 3, 0)
     transport = TransportConfig(timeout_s=5.0, max_message_bytes=1 << 20, curve_keys=keys)
-    zn = ZmqNode(node, topo, worker=None, ledger=Ledger(), transport=transport)
+    zn = ZmqNode(node, topo, None, Ledger(), transport, schema=schema)  # type: ignore[arg-type]
     zn.endpoint = zn.bind("tcp://127.0.0.1:*")
     zn.connect({j: "tcp://127.0.0.1:1" for j in range(3)} | (to or {}))
     return zn
@@ -298,7 +301,7 @@ def test_curve_keeps_out_a_process_without_the_key(tmp_path):
     assert not node.inbox_socket.poll(1500)
     friend.outboxes[1].send(valid_frame(round=6))
     assert node.inbox_socket.poll(5000)
-    node.accept([f.buffer for f in node.inbox_socket.recv_multipart(copy=False)])
+    node.receive()
     assert [m.round for m in node.inbox] == [6]
     for sock in (intruder, plain):
         sock.close()

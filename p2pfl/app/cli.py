@@ -2,14 +2,25 @@
 run, ``keys``, ``cost`` (analytic communication cost) and ``plot`` (pictures of runs).
 
 Exit codes: 0 success; 2 bad config or arguments (one line ``error: FILE: key: reason``);
-1 a run that started and failed (its outputs so far stay on disk).
+1 a run that started and failed (its outputs so far stay on disk); 130 interrupted (SIGINT
+or SIGTERM: both end a run the same way, with ``summary.json`` saying ``interrupted``).
+
+A run owns its ``--out`` directory: one that holds anything is refused unless ``--force``
+(which empties it first, and only if it holds a p2pfl run), and a directory another run is
+writing to (it holds the lock ``.p2pfl.lock``) is refused, both before anything is loaded.
+A sweep may reuse its directory (finished cells are kept) but not share it with another.
 """
 
 from __future__ import annotations
 
 import argparse
+import fcntl
 import os
+import shutil
+import signal
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from p2pfl.core.errors import ConfigError, RunError
@@ -29,6 +40,9 @@ def parser() -> argparse.ArgumentParser:
     r = sub.add_parser("run", help="run an experiment file")
     _experiment_args(r)
     r.add_argument("--out", help="output directory (default runs/NAME-seedN)")
+    r.add_argument(
+        "--force", action="store_true", help="replace what an existing run directory holds"
+    )
     r.add_argument(
         "--transport",
         choices=["sim", "zmq"],
@@ -95,12 +109,82 @@ def output_dir(path: str) -> Path:
     """``--out`` checked before anything is written: every existing part of it must be a
     directory, and the deepest existing one writable."""
     out = Path(path)
-    existing = next(p for p in (out, *out.parents) if p.exists())
+    try:
+        existing = next(p for p in (out, *out.parents) if p.exists())
+    except OSError as e:  # a name too long, a loop of links
+        raise ConfigError("--out", f"cannot use {path[:80]}: {e.strerror}") from None
     if not existing.is_dir():
         raise ConfigError("--out", f"{existing} is a file, not a directory")
     if not os.access(existing, os.W_OK):
         raise ConfigError("--out", f"cannot write in {existing}")
     return out
+
+
+LOCK = ".p2pfl.lock"
+RUN_FILES = ("config.yaml", "summary.json", "metrics.csv", "comm.csv", "cells.csv", "sweep.csv")
+
+
+def check_fresh(out: Path, force: bool, reuse: bool = False) -> None:
+    """Refuse an ``--out`` that another run is writing to, or (unless ``reuse``, a sweep's
+    resume) one that holds anything without ``--force``, or ``--force`` on a directory that
+    holds no p2pfl run. Writes nothing."""
+    if not out.is_dir():
+        return
+    with _locked(out, create=False):
+        pass
+    held = sorted(p.name for p in out.iterdir() if p.name != LOCK)
+    if not held or reuse:
+        return
+    if not force:
+        shown = ", ".join(held[:3]) + (", ..." if len(held) > 3 else "")
+        raise ConfigError(
+            "--out", f"{out} is not empty ({shown}); pass --force to replace it, or another --out"
+        )
+    if not any((out / name).exists() for name in RUN_FILES):
+        raise ConfigError("--out", f"{out} holds no p2pfl run; --force only replaces a run")
+
+
+@contextmanager
+def _locked(out: Path, create: bool = True) -> Iterator[None]:
+    """Hold ``out``'s run lock (``ConfigError`` if another process holds it)."""
+    path = out / LOCK
+    if not create and not path.exists():
+        yield
+        return
+    out.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise ConfigError("--out", f"{out} is in use by another p2pfl run") from None
+        try:
+            yield
+        finally:
+            if create:
+                path.unlink(missing_ok=True)
+    finally:
+        os.close(fd)
+
+
+@contextmanager
+def _claimed(out: Path, force: bool) -> Iterator[None]:
+    """``out`` locked for this run (and emptied first with ``--force``)."""
+    with _locked(out):
+        if force:
+            _empty(out)
+        yield
+
+
+def _empty(out: Path) -> None:
+    """Remove what a run directory holds (``--force``), all but the lock."""
+    for p in out.iterdir():
+        if p.name == LOCK:
+            continue
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p)
+        else:
+            p.unlink()
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -110,12 +194,17 @@ def cmd_run(args: argparse.Namespace) -> int:
     raw, grid = load(args.experiment, args.sets, args.seed)
     if grid:
         out = output_dir(args.out or f"runs/{raw.get('name', Path(args.experiment).stem)}")
+        check_fresh(out, args.force, reuse=not args.force)
         file = Path(args.experiment)
-        return run_sweep(file, raw, grid, out, not args.quiet, args.transport)
+        claim = lambda: _claimed(out, args.force)  # noqa: E731 - taken once every cell is checked
+        return run_sweep(file, raw, grid, out, not args.quiet, args.transport, claim)
+    name = raw.get("name", Path(args.experiment).stem)
+    out = output_dir(args.out or f"runs/{name}-seed{raw.get('seed', 0)}")
+    check_fresh(out, args.force)
     setup = _setup(args, args.transport)
     config = setup.config
-    out = output_dir(args.out or f"runs/{config['name']}-seed{config['seed']}")
-    summary = run(setup, out, progress=not args.quiet, transport=args.transport)
+    with _claimed(out, args.force):
+        summary = run(setup, out, progress=not args.quiet, transport=args.transport)
     comm = summary["comm"]
     print(
         f"{config['name']}: {summary['algorithm']} on {summary['num_peers']} peers "
@@ -139,17 +228,31 @@ def cmd_peer(args: argparse.Namespace) -> int:
     except ConfigError as e:
         e.file = e.file or args.experiment
         raise
-    return run_peer(setup, node, output_dir(args.out), addresses, args.coordinator)
+    code = run_peer(setup, node, output_dir(args.out), addresses, args.coordinator)
+    if args.coordinator:  # a launcher's child, its files written: skip the slow teardown
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 def cmd_keys(args: argparse.Namespace) -> int:
     import zmq.auth
 
-    directory = Path(args.directory)
+    from p2pfl.network.peers import MAX_PEERS
+
+    if not 1 <= args.peers <= MAX_PEERS:
+        raise ConfigError("--peers", f"must be in 1..{MAX_PEERS:,}, got {args.peers}")
+    directory = output_dir(args.directory)
     directory.mkdir(parents=True, exist_ok=True)
     names = [str(i) for i in range(args.peers)] + (["server"] if args.server else [])
-    for name in names:
-        zmq.auth.create_certificates(directory, name)
+    mask = os.umask(0o077)  # secret keys are born private (0600), never world-readable
+    try:
+        for name in names:
+            public, _ = zmq.auth.create_certificates(directory, name)
+            os.chmod(public, 0o644)  # public keys are meant to be shared
+    finally:
+        os.umask(mask)
     print(f"{len(names)} CURVE key pairs in {directory}; keep the .key_secret files private")
     return 0
 
@@ -162,11 +265,13 @@ def cmd_cost(args: argparse.Namespace) -> int:
         args.sets.append(f"peers.count={args.peers}")
     if args.model_bytes is not None and args.model_bytes <= 0:
         raise ConfigError("--model-bytes", "must be > 0")
-    setup = _setup(args)
-    methods = cost.parse_methods(args.methods or setup.config["algorithm"]["name"])
     kinds = [k.strip() for k in args.topologies.split(",") if k.strip()]
-    rows = cost.analyse(setup, methods, kinds, args.model_bytes)
+    if not kinds:
+        raise ConfigError("--topologies", f"no topology kind in {args.topologies!r}")
+    setup = _setup(args)
     out = output_dir(args.out or f"runs/{setup.config['name']}-cost")
+    methods = cost.parse_methods(args.methods or setup.config["algorithm"]["name"])
+    rows = cost.analyse(setup, methods, kinds, args.model_bytes)
     out.mkdir(parents=True, exist_ok=True)
     cost.write_csv(rows, out / "cost.csv")
     plots.cost_chart(rows, out)
@@ -180,7 +285,7 @@ def cmd_plot(args: argparse.Namespace) -> int:
     from p2pfl.reporting.plots import plot_runs
 
     paths = [Path(r) for r in args.runs]
-    written = plot_runs(paths, Path(args.out) if args.out else paths[0] / "plots")
+    written = plot_runs(paths, output_dir(args.out) if args.out else paths[0] / "plots")
     print(f"wrote {len(written)} files: {', '.join(str(p) for p in written)}")
     return 0
 
@@ -190,6 +295,7 @@ def main(argv: list[str] | None = None) -> int:
         args = parser().parse_args(argv)
     except SystemExit as e:  # --help, or a bad argument already reported in one line
         return int(e.code or 0)
+    previous = signal.signal(signal.SIGTERM, _terminate)
     try:
         commands = {
             "run": cmd_run, "peer": cmd_peer, "keys": cmd_keys, "cost": cmd_cost, "plot": cmd_plot,
@@ -201,9 +307,16 @@ def main(argv: list[str] | None = None) -> int:
     except RunError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        print("error: interrupted", file=sys.stderr)
+    except KeyboardInterrupt as e:
+        print(f"error: interrupted ({str(e) or 'SIGINT'})", file=sys.stderr)
         return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _terminate(signum: int, frame: object) -> None:
+    """SIGTERM ends a command as Ctrl-C does (outputs closed, children stopped)."""
+    raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
 if __name__ == "__main__":

@@ -49,6 +49,7 @@ DEFAULTS: dict[str, Any] = {
     "compression": {},
 }
 REQUIRED = ("topology", "peers", "algorithm")
+MAX_NAME_BYTES = 200  # runs/NAME-seedN must stay a valid file name
 
 
 def apply_set(config: dict[str, Any], assignment: str) -> None:
@@ -135,10 +136,12 @@ def resolve(raw: dict[str, Any], file: Path) -> dict[str, Any]:
     out: dict[str, Any] = {"name": config.get("name", file.stem)}
     if not isinstance(out["name"], str):
         raise ConfigError("name", "must be a string")
+    if not 0 < len(out["name"].encode()) <= MAX_NAME_BYTES or "\0" in out["name"]:
+        raise ConfigError("name", f"must be 1 to {MAX_NAME_BYTES} bytes (it names directories)")
     if not isinstance(config["seed"], int) or isinstance(config["seed"], bool):
         raise ConfigError("seed", f"must be an integer, got {config['seed']!r}")
-    if config["seed"] < 0:
-        raise ConfigError("seed", f"must be >= 0, got {config['seed']}")
+    if not 0 <= config["seed"] < 2**63:
+        raise ConfigError("seed", f"must be in 0..2**63-1, got {config['seed']}")
     out["seed"] = config["seed"]
     plugins = load_plugins(config.get("plugins", []), file)  # before any registry lookup
     if plugins:

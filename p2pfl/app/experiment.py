@@ -2,13 +2,17 @@
 
 Outputs (all in the run directory): ``config.yaml`` (resolved), ``partition.csv`` and
 ``partition.png``, ``metrics.csv`` and ``comm.csv`` (written as the run goes) and
-``summary.json`` (at the end, also when the run fails, with ``status: failed``).
+``summary.json`` (at the end, strict JSON: NaN becomes null; also when the run fails,
+``status: failed``, or is interrupted by SIGINT or SIGTERM, ``status: interrupted`` with the
+signal and the ``comm`` totals of what ``comm.csv`` holds).
 """
 
 from __future__ import annotations
 
 import copy
 import json
+import math
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -27,7 +31,7 @@ from p2pfl.methods.attacks import build_adversary
 from p2pfl.methods.effects import Finish, State
 from p2pfl.network.codecs import from_section
 from p2pfl.network.dynamics import Network
-from p2pfl.network.ledger import Ledger
+from p2pfl.network.ledger import Ledger, summarize_csv
 from p2pfl.network.peers import build_population
 from p2pfl.network.topology import Topology, build_topology
 from p2pfl.reporting import matching
@@ -129,22 +133,42 @@ def run(setup: Setup, out: Path, progress: bool = False, transport: str = "sim")
         if baselines:
             summary["baselines"] = baselines
         summary["status"] = "ok"
-    except KeyboardInterrupt:
-        summary["status"] = "interrupted"
+    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (the command line raises it)
+        summary |= {"status": "interrupted", "signal": str(e) or "SIGINT"}
         raise
     except Exception as e:
         summary |= {"status": "failed", "error": f"{type(e).__name__}: {e}"}
         raise RunError(f"run failed: {e}") from e
     finally:
         reporters.close()
+        if not comm and (out / "comm.csv").is_file():  # cut short: count what is on disk
+            comm = summarize_csv(out / "comm.csv")
         summary |= {
             "comm": comm,
             "sim_time_s": clock,
             "wall_time_s": time.perf_counter() - start,
             "compute_wall_s": setup.trainer.busy_s,
         }
-        (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        write_json(out / "summary.json", summary)
     return summary
+
+
+def strict(value: Any) -> Any:
+    """``value`` with every NaN or infinite float replaced by None (JSON has neither)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: strict(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [strict(v) for v in value]
+    return value
+
+
+def write_json(path: Path, value: Any) -> None:
+    """Write strict JSON atomically (a reader never sees half a file)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(strict(value), indent=2, allow_nan=False) + "\n")
+    os.replace(tmp, path)
 
 
 def _simulate(

@@ -27,7 +27,8 @@ import itertools
 import json
 import re
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,6 +44,7 @@ SHORTHAND = {"topology": "kind"}
 """The key a string value of a section stands for (``name`` for the other sections)."""
 CELL_COLUMNS = ["cell", "status", "reason", "accuracy", "total_bytes", "sim_time_s", "wall_time_s"]
 STATS = ("accuracy", "total_bytes", "sim_time_s")
+MAX_NAME_BYTES = 255  # a file name, on every file system we know
 
 
 @dataclass
@@ -135,6 +137,13 @@ def cells(raw: dict[str, Any], grid: dict[str, list[Any]], file: Path) -> list[C
     for combo in itertools.product(*grid.values()):
         values = dict(zip(grid, combo, strict=True))
         cell = Cell(values, {k: label(v) for k, v in values.items()})
+        if len(cell.name.encode()) > MAX_NAME_BYTES:  # refused, not hashed: names stay readable
+            raise ConfigError(
+                "sweep",
+                f"cell directory name {cell.name[:40]}... is {len(cell.name.encode())} bytes; "
+                f"the limit is {MAX_NAME_BYTES}: use shorter values",
+                str(file),
+            )
         try:
             cell.config = resolve(apply(raw, values), file)
         except ConfigError as e:
@@ -254,22 +263,36 @@ def run_sweep(
     out: Path,
     progress: bool,
     transport: str = "sim",
+    claim: Callable[[], AbstractContextManager[Any]] = nullcontext,
 ) -> int:
-    """Check every cell, then run them under ``out``; write the tables and figures. Returns
-    the exit code: 1 if a cell's run failed, else 0."""
-    from p2pfl.reporting import plots
-
+    """Check every cell, then (inside ``claim()``: the command line's lock on ``out``) run
+    them under ``out``; write the tables and figures. Returns the exit code: 1 if a cell's
+    run failed, else 0."""
     with loaded_once():  # every cell is built twice: checked first, then run
         todo = cells(raw, grid, file)
         skipped = misfits(todo, file, transport)
-        out.mkdir(parents=True, exist_ok=True)
-        rows = []
-        for i, cell in enumerate(todo, 1):
-            misfit = skipped.get(cell.name)
-            row = run_cell(cell, out / cell.name, progress, transport, misfit) | cell.labels
-            rows.append(row)
-            detail = f"accuracy {row['accuracy']:.4f}" if "accuracy" in row else row["reason"]
-            print(f"[{i}/{len(todo)}] {cell.name}: {row['status']} ({detail})", flush=True)
+        with claim():
+            return _run_cells(todo, skipped, grid, out, progress, transport)
+
+
+def _run_cells(
+    todo: list[Cell],
+    skipped: dict[str, str],
+    grid: dict[str, list[Any]],
+    out: Path,
+    progress: bool,
+    transport: str,
+) -> int:
+    from p2pfl.reporting import plots
+
+    out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for i, cell in enumerate(todo, 1):
+        misfit = skipped.get(cell.name)
+        row = run_cell(cell, out / cell.name, progress, transport, misfit) | cell.labels
+        rows.append(row)
+        detail = f"accuracy {row['accuracy']:.4f}" if "accuracy" in row else row["reason"]
+        print(f"[{i}/{len(todo)}] {cell.name}: {row['status']} ({detail})", flush=True)
     write_csv(out / "cells.csv", rows, [*grid, *CELL_COLUMNS])
     summary = table(grid, rows)
     keys = [k for k in grid if k != "seed"]

@@ -23,7 +23,7 @@ class ConfigError(Exception):
 
     def __str__(self) -> str:
         parts = [p for p in (self.file, self.key) if p]
-        return ": ".join([*parts, self.message])
+        return " ".join(": ".join([*parts, self.message]).splitlines())  # always one line
 
 
 class TopologyMisfit(ConfigError):

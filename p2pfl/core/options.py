@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import math
 import types
 import typing
 from collections.abc import Callable, Iterator
@@ -36,6 +37,10 @@ def _type_name(tp: Any) -> str:
     )
 
 
+class _OutOfRange(TypeError):
+    """The right kind of value, out of what any option accepts (NaN, 2**64)."""
+
+
 def check_type(value: Any, tp: Any) -> Any:
     """Return ``value`` converted to ``tp`` (int -> float, list -> tuple), or raise TypeError."""
     if tp is Any:
@@ -46,12 +51,15 @@ def check_type(value: Any, tp: Any) -> Any:
             return value
         raise TypeError(f"must be one of {', '.join(repr(a) for a in get_args(tp))}, got {value!r}")
     if origin in (typing.Union, types.UnionType):
+        bound: _OutOfRange | None = None
         for arg in get_args(tp):
             try:
                 return check_type(value, arg)
+            except _OutOfRange as e:
+                bound = e
             except TypeError:
                 continue
-        raise TypeError(f"must be {_type_name(tp)}, got {value!r}")
+        raise bound or TypeError(f"must be {_type_name(tp)}, got {value!r}")
     if origin in (list, tuple):
         if not isinstance(value, (list, tuple)):
             raise TypeError(f"must be {_type_name(tp)}, got {value!r}")
@@ -61,7 +69,10 @@ def check_type(value: Any, tp: Any) -> Any:
     if origin is dict or tp is dict:
         if not isinstance(value, dict):
             raise TypeError(f"must be a mapping, got {value!r}")
-        return value
+        if not get_args(tp):
+            return value
+        kt, vt = get_args(tp)
+        return {check_type(k, kt): check_type(v, vt) for k, v in value.items()}
     if tp is type(None):
         if value is None:
             return None
@@ -71,9 +82,15 @@ def check_type(value: Any, tp: Any) -> Any:
             return value
     elif tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
+            number = float(value) if isinstance(value, float) or abs(value) < 2**1000 else math.inf
+            if not math.isfinite(number):  # NaN passes every ``x <= 0`` check
+                shown = f"{value:.3g}" if isinstance(value, float) else "an integer beyond 2**1000"
+                raise _OutOfRange(f"must be a finite number, got {shown}")
+            return number
     elif tp is int:
         if isinstance(value, int) and not isinstance(value, bool):
+            if abs(value) >= 2**63:  # numpy and torch take 64-bit integers
+                raise _OutOfRange(f"must be an integer below 2**63, got {value}")
             return value
     elif tp is str:
         if isinstance(value, str):

@@ -30,6 +30,7 @@ from p2pfl.learning.pans import Pans, encode
 
 InputShape = tuple[int, int, int]
 """(channels, height, width) of one sample."""
+MAX_PARAMETERS = 1 << 30  # 4 GiB of float32 per copy; ResNet-18 has 11 million
 
 MODELS: Registry[Callable[..., nn.Module]] = Registry("model")
 
@@ -291,6 +292,10 @@ def build_model(options: dict, input_shape: InputShape, num_classes: int) -> nn.
     keys = resolve_model(options)
     fn = MODELS.get(keys.pop("name"))
     pans = Pans(**keys.pop("pans"))
+    with torch.device("meta"):  # sized first, without memory: a typo must not allocate 256 GB
+        size = sum(p.numel() for p in fn(tuple(input_shape), num_classes, **keys).parameters())
+    if size > MAX_PARAMETERS:
+        raise ConfigError("", f"has {size:,} parameters; the limit is {MAX_PARAMETERS:,}")
     model = fn(tuple(input_shape), num_classes, **keys)
     try:
         encode(hidden_units(model).values(), pans)

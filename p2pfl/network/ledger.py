@@ -71,5 +71,24 @@ class Ledger:
             self._file.close()
 
 
+def summarize_csv(path: Path) -> dict[str, Any]:
+    """The ``summary()`` of the ledger a ``comm.csv`` holds (a run cut short writes its
+    totals from what is on disk); an unreadable or torn row ends the count there."""
+    ledger = Ledger()
+    try:
+        with open(path, newline="") as f:
+            rows = csv.reader(f)
+            header = next(rows, [])
+            ledger.fates = "fate" in header
+            for row in rows:
+                t, rnd, src, dst, kind, nbytes, arrival, *fate = row
+                ledger.record(
+                    float(t), int(rnd), src, dst, kind, int(nbytes), float(arrival), *fate
+                )
+    except (OSError, ValueError):
+        pass
+    return ledger.summary()
+
+
 def _fmt(t: float) -> str:
     return f"{t:.9g}"

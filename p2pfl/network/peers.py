@@ -16,6 +16,7 @@ from p2pfl.core.seeding import numpy_rng
 from p2pfl.network.topology import DEFAULT_LINK, Link, make_link
 
 DEVICES = ("cpu", "cuda", "auto")
+MAX_PEERS = 100_000  # beyond this a run would take hours and gigabytes before training
 
 
 @dataclass(frozen=True)
@@ -67,8 +68,8 @@ def build_population(
     - ``batched``: in simulation, trainings that overlap in simulated time run as one batched
       computation (MLPs with SGD, ``compute: model``); equal to one by one up to float rounding.
     """
-    if count < 1:
-        raise ConfigError("count", "must be >= 1")
+    if not 1 <= count <= MAX_PEERS:
+        raise ConfigError("count", f"must be in 1..{MAX_PEERS:,}, got {count:,}")
     if not (device in DEVICES or (device.startswith("cuda:") and device[5:].isdigit())):
         raise ConfigError("device", f"must be cpu, cuda, cuda:N or auto, got {device!r}")
     for key, value in (

@@ -25,13 +25,13 @@ import csv
 import json
 from bisect import bisect_right
 from collections import defaultdict
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import networkx as nx
 import numpy as np
-import yaml
 from matplotlib import colormaps
 from matplotlib.cm import ScalarMappable
 from matplotlib.colors import Normalize
@@ -40,6 +40,7 @@ from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator, NullFormat
 
 from p2pfl.core.errors import ConfigError
 from p2pfl.core.seeding import derive_seed
+from p2pfl.core.yaml_io import read_yaml
 from p2pfl.network.topology import Topology, build_topology
 from p2pfl.reporting.heatmap import save_heatmap
 
@@ -60,23 +61,67 @@ class Run:
     """``availability.csv`` as (peer, online from, online to) rows; None without the file."""
 
 
-def _rows(path: Path) -> list[dict[str, str]]:
-    with path.open(newline="") as f:
-        return list(csv.DictReader(f))
+METRICS = {"time": float, "round": int, "peer": str, "metric": str, "value": float}
+COMM = {"src": str, "dst": str, "bytes": int, "arrival": float}
+AVAILABILITY = {"peer": int, "online_from": float, "online_to": float}
+CELLS = {"cell": str, "status": str}
+"""The columns each file must have, and how each is read: a file that breaks them is a
+one-line error naming it, before anything is drawn."""
+
+
+def _rows(path: Path, columns: Mapping[str, Callable[[str], Any]]) -> list[dict[str, str]]:
+    """A CSV file's rows, each checked to have ``columns`` readable as their types."""
+    try:
+        with path.open(newline="", encoding="utf-8") as f:
+            reader = csv.DictReader(f)
+            rows = list(reader)
+            header = reader.fieldnames or []
+    except (UnicodeDecodeError, csv.Error) as e:
+        raise ConfigError("", f"{path}: not a CSV table ({e})") from None
+    missing = [c for c in columns if c not in header]
+    if missing:
+        raise ConfigError("", f"{path}: no column {', '.join(missing)} in its header")
+    for i, row in enumerate(rows, start=2):
+        for column, read in columns.items():
+            try:
+                read(row[column])
+            except (KeyError, TypeError, ValueError):
+                value = row.get(column)
+                raise ConfigError(
+                    "", f"{path} line {i}: column {column!r} is {value!r}, not a {read.__name__}"
+                ) from None
+    return rows
 
 
 def read_run(path: Path) -> Run:
+    """A finished run's outputs, checked (``ConfigError`` naming a missing or broken file)."""
     try:
-        config = yaml.safe_load((path / "config.yaml").read_text())
-        run = Run(path, config, _rows(path / "metrics.csv"), _rows(path / "comm.csv"))
-        if (path / "availability.csv").is_file():
-            run.availability = [
-                (int(r["peer"]), float(r["online_from"]), float(r["online_to"]))
-                for r in _rows(path / "availability.csv")
-            ]
-        return run
+        config = read_yaml(path / "config.yaml", "run config")
+        summary = json.loads((path / "summary.json").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise ConfigError("", f"not a finished run: {path / 'summary.json'}: {e}") from None
+    if not isinstance(summary, dict):
+        raise ConfigError("", f"{path / 'summary.json'}: not a run summary")
+    peers, topology = config.get("peers"), config.get("topology")
+    if not (
+        isinstance(config.get("seed"), int)
+        and isinstance(topology, dict)
+        and isinstance(peers, dict)
+        and isinstance(peers.get("count"), int)
+    ):
+        raise ConfigError("", f"{path / 'config.yaml'}: not a run's config (seed, topology, peers)")
+    try:
+        run = Run(
+            path, config, _rows(path / "metrics.csv", METRICS), _rows(path / "comm.csv", COMM)
+        )
     except OSError as e:
         raise ConfigError("", f"not a finished run: {e.strerror}: {e.filename}") from None
+    if (path / "availability.csv").is_file():
+        run.availability = [
+            (int(r["peer"]), float(r["online_from"]), float(r["online_to"]))
+            for r in _rows(path / "availability.csv", AVAILABILITY)
+        ]
+    return run
 
 
 def line_name(keys: list[str], labels: dict[str, Any]) -> str:
@@ -94,10 +139,12 @@ def expand(paths: list[Path]) -> list[tuple[str, list[Run]]]:
         if (path / "summary.json").is_file():
             lines.append((path.name, [read_run(path)]))
         elif (path / "cells.csv").is_file():
-            rows = _rows(path / "cells.csv")
+            rows = _rows(path / "cells.csv", CELLS)
             keys = list(rows[0])[: list(rows[0]).index("cell")] if rows else []
             groups: dict[str, list[Run]] = {}
             for row in rows:
+                if Path(row["cell"]).name != row["cell"] or row["cell"] in ("", ".", ".."):
+                    raise ConfigError("", f"{path / 'cells.csv'}: {row['cell']!r} is not a cell")
                 if row["status"] in ("ok", "done"):
                     name = prefix + line_name(keys, row)
                     groups.setdefault(name, []).append(read_run(path / row["cell"]))
@@ -180,7 +227,10 @@ def accuracy_figure(lines: list[tuple[str, list[Run]]]) -> Figure:
 def topology_of(run: Run) -> Topology:
     c = run.config
     seed = derive_seed(c["seed"], "topology")
-    return build_topology(c["topology"], c["peers"]["count"], seed)
+    try:
+        return build_topology(c["topology"], c["peers"]["count"], seed)
+    except ConfigError as e:
+        raise ConfigError("", f"{run.path / 'config.yaml'}: topology.{e}") from None
 
 
 def link_bytes(run: Run, topology: Topology) -> dict[frozenset[int], int]:
@@ -188,6 +238,8 @@ def link_bytes(run: Run, topology: Topology) -> dict[frozenset[int], int]:
     node = {topology.name(n): n for n in topology.graph.nodes}
     out: dict[frozenset[int], int] = defaultdict(int)
     for r in run.comm:
+        if r["src"] not in node or r["dst"] not in node:
+            raise ConfigError("", f"{run.path / 'comm.csv'}: a message between unknown nodes {r}")
         out[frozenset((node[r["src"]], node[r["dst"]]))] += int(r["bytes"])
     return out
 
@@ -325,11 +377,11 @@ def availability_figure(lines: list[tuple[str, list[Run]]]) -> Figure:
 def plot_runs(paths: list[Path], out: Path) -> list[Path]:
     """Every figure of the runs (and sweeps) in ``paths``, written to ``out``."""
     lines = expand(paths)
-    out.mkdir(parents=True, exist_ok=True)
-    written = save(accuracy_figure(lines), out, "accuracy")
-    written += save(traffic_figure(lines), out, "traffic")
+    figures = {"accuracy": accuracy_figure(lines), "traffic": traffic_figure(lines)}
     if any(r.availability is not None for _, runs in lines for r in runs):
-        written += save(availability_figure(lines), out, "availability")
+        figures["availability"] = availability_figure(lines)
+    out.mkdir(parents=True, exist_ok=True)  # only once every figure is drawn
+    written = [p for stem, fig in figures.items() for p in save(fig, out, stem)]
     return written + save_partitions(lines, out)
 
 

@@ -15,12 +15,14 @@ launcher watches the processes: one that dies, or reports a failure, ends the ru
 from __future__ import annotations
 
 import csv
+import ctypes
 import json
 import os
 import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Set
 from dataclasses import dataclass
@@ -39,7 +41,7 @@ from p2pfl.network.message import Message
 from p2pfl.network.wire import decode, encode
 from p2pfl.reporting.reporters import CsvReporter, Reporter
 from p2pfl.runtime.setup import Setup
-from p2pfl.runtime.sockets import Crashed, TransportConfig, ZmqNode
+from p2pfl.runtime.sockets import Crashed, TransportConfig, ZmqNode, model_schema
 from p2pfl.runtime.worker import Worker
 
 
@@ -102,9 +104,11 @@ def run_peer(
     )  # fmt: skip
     zn = ZmqNode(
         node, setup.topology, worker, ledger, transport, from_section(setup.config["compression"]),
-        setup.network,
+        setup.network, model_schema(setup.trainer.module(torch.device("cpu"))),
     )  # fmt: skip
     result: dict[str, Any] = {"node": name, "status": "failed"}
+    if coordinator:
+        die_with_launcher()
     warm_up()
     try:
         if coordinator:
@@ -130,7 +134,34 @@ def run_peer(
         (mine / "result.json").write_text(json.dumps(result, indent=2) + "\n")
         metrics.close()
         ledger.close()
-        zn.close()
+        zn.close(abort=result["status"] == "failed")
+
+
+STOP_GRACE_S = 1.0
+"""How long a peer process has to exit after SIGTERM before it is killed."""
+
+LAUNCHER_PID = "P2PFL_LAUNCHER_PID"
+"""The environment variable that tells a node the launcher's process id."""
+
+
+def die_with_launcher() -> None:
+    """Make this node die with the launcher that started it, whatever kills the launcher
+    (SIGKILL included): Linux's parent-death signal, or elsewhere a thread that watches the
+    parent; a node whose launcher is already gone exits at once."""
+    parent = int(os.environ.get(LAUNCHER_PID, "0"))
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (AttributeError, OSError):
+
+        def watch() -> None:
+            while os.getppid() == parent:
+                time.sleep(0.5)
+            os._exit(1)
+
+        threading.Thread(target=watch, daemon=True).start()
+    if parent and os.getppid() != parent:
+        os._exit(1)
 
 
 def warm_up() -> None:
@@ -183,7 +214,7 @@ def launch(setup: Setup, out: Path, config_file: Path, reporters: Reporter) -> O
     endpoint = ctl.getsockopt_string(zmq.LAST_ENDPOINT)
     nodes = sorted(setup.topology.graph.nodes)
     name = setup.topology.name
-    env = os.environ | {"OMP_NUM_THREADS": "1"}  # N processes share the cores
+    env = os.environ | {"OMP_NUM_THREADS": "1", LAUNCHER_PID: str(os.getpid())}
     procs: dict[int, subprocess.Popen] = {}
     start = time.monotonic()
     try:
@@ -258,11 +289,12 @@ def _check(
 
 
 def _stop(procs: dict[int, subprocess.Popen]) -> None:
-    """Terminate every peer process still running (SIGTERM, then SIGKILL after 3 s)."""
+    """Terminate every peer process still running (SIGTERM, then SIGKILL after
+    ``STOP_GRACE_S``: a stopped or hung process gets no longer)."""
     live = [p for p in procs.values() if p.poll() is None]
     for p in live:
         p.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + 3
+    deadline = time.monotonic() + STOP_GRACE_S
     for p in live:
         try:
             p.wait(max(0.0, deadline - time.monotonic()))

@@ -5,9 +5,11 @@ neighbour. ``Send`` encodes the message at the choke point (``wire.encode_parts`
 hands its parts to ZeroMQ as one multipart message without copying the tensors.
 ``Recv`` polls the inbox with the configured timeout and consumes messages exactly as
 the simulation does (``mailbox.take``), so the same seed gives the same models. Frames
-that fail to decode, or that claim a sender that is not a neighbour, are dropped with a
-logged reason. With ``transport.curve_keys`` every socket uses CURVE encryption and only
-holders of a listed key can connect.
+that fail to decode, that claim a sender that is not a neighbour, whose model tensors have
+the wrong names, shapes or dtypes, or that find their sender's backlog full are dropped with
+a logged reason (:meth:`ZmqNode.accept`). With ``transport.curve_keys`` every socket uses
+CURVE encryption, only holders of a listed key can connect, and a frame's sender must be the
+node whose key sent it.
 
 With a ``network:`` section every process builds the same seeded :class:`Network` and lives
 it in wall-clock time: an offline node drops what reaches it (recorded as ``offline``) and
@@ -27,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
@@ -55,6 +58,13 @@ from p2pfl.runtime.worker import Worker
 log = logging.getLogger("p2pfl.transport")
 
 
+MAX_BACKLOG = 256
+"""Messages of one sender a node keeps waiting to be taken; more are dropped (a flood)."""
+
+MAX_TIMEOUT_S = 1e6
+"""The longest timeout a run accepts (11.6 days; ZeroMQ counts milliseconds in an int32)."""
+
+
 @dataclass(frozen=True)
 class TransportConfig:
     """The ``transport:`` section: how real (ZeroMQ) runs behave; ignored in simulation."""
@@ -67,8 +77,13 @@ class TransportConfig:
 
     def __post_init__(self) -> None:
         for key in ("timeout_s", "startup_timeout_s", "max_message_bytes"):
-            if getattr(self, key) <= 0:
-                raise ConfigError(key, "must be > 0")
+            if not getattr(self, key) > 0:
+                raise ConfigError(key, f"must be > 0, got {getattr(self, key)}")
+        for key in ("timeout_s", "startup_timeout_s"):  # socket options count int32 ms
+            if not getattr(self, key) <= MAX_TIMEOUT_S:
+                raise ConfigError(key, f"must be <= {MAX_TIMEOUT_S:g} s, got {getattr(self, key)}")
+        if self.max_message_bytes > 1 << 40:
+            raise ConfigError("max_message_bytes", "must be <= 2**40")
 
 
 class CurveKeys:
@@ -99,6 +114,15 @@ def check_curve_keys(transport: TransportConfig, topology: Topology, nodes: Iter
             keys.public_of(topology.name(other))
 
 
+Schema = dict[str, tuple[tuple[int, ...], torch.dtype]]
+"""A model's tensor names with their shapes and dtypes: what a received model must hold."""
+
+
+def model_schema(module: torch.nn.Module) -> Schema:
+    """The :data:`Schema` of ``module``'s state."""
+    return {k: (tuple(v.shape), v.dtype) for k, v in module.state_dict().items()}
+
+
 class Crashed(RunError):
     """This node reached its crash time (``network.crashes``) or left for good."""
 
@@ -115,6 +139,7 @@ class ZmqNode:
         transport: TransportConfig,
         compression: Compression | None = None,
         network: Network | None = None,
+        schema: Schema | None = None,
     ) -> None:
         self.node = node
         self.network = network
@@ -134,11 +159,17 @@ class ZmqNode:
         self.outboxes: dict[int, zmq.Socket] = {}
         self.inbox: list[Message] = []
         self.rejected = 0
+        self.schema = schema or {}
+        self.senders: dict[str, int] = {}  # CURVE user id (z85 public key) -> node
         self.finish: Finish | None = None
 
     def bind(self, endpoint: str) -> str:
         """Bind the inbox (``tcp://host:*`` picks a free port); return the real endpoint."""
         if self.keys:
+            others = [j for j in sorted(self.topology.graph.nodes) if j != self.node]
+            for j in others:
+                z85 = self.keys.public_of(self.topology.name(j))  # as the ZAP handler names it
+                self.senders[z85.decode("ascii")] = j
             self.auth = ThreadAuthenticator(self.context)
             self.auth.start()
             self.auth.configure_curve(domain="*", location=str(self.keys.directory))
@@ -215,17 +246,24 @@ class ZmqNode:
         """Sleep until ``until`` on the run's clock, taking in (or, offline, dropping) frames."""
         while (remaining := until - self.now()) > 0:
             if self.inbox_socket.poll(max(1, int(remaining * 1000))):
-                self.accept([f.buffer for f in self.inbox_socket.recv_multipart(copy=False)])
+                self.receive()
 
     def _neighbours(self, eff: Neighbours) -> list[int]:
         if self.network is None:
             return self.topology.neighbours(self.node)
         return self.network.neighbours(self.node, eff.round, self.now(), eff.incoming)
 
-    def close(self) -> None:
+    def close(self, abort: bool = False) -> None:
+        """Close every socket: after a finished behaviour, deliver what is queued first (up to
+        the timeout); ``abort`` (the run failed or is being stopped) drops it at once."""
+        linger = None
         if self.network is not None:  # a peer that is gone never takes what is queued for it
+            linger = min(2000, int(self.transport.timeout_s * 1000))
+        if abort:
+            linger = 0
+        if linger is not None:
             for sock in self.outboxes.values():
-                sock.setsockopt(zmq.LINGER, min(2000, int(self.transport.timeout_s * 1000)))
+                sock.setsockopt(zmq.LINGER, linger)
         for sock in self.outboxes.values():
             sock.close()  # waits up to LINGER for queued frames
         self.inbox_socket.close()
@@ -270,6 +308,21 @@ class ZmqNode:
             return "crashed"
         return None
 
+    def _check_schema(self, msg: Message) -> None:
+        """A tensor named like a model tensor has its shape and dtype; a model is whole."""
+        named = [k for k in msg.tensors if k in self.schema]
+        for k in named:
+            t = msg.tensors[k]
+            if (tuple(t.shape), t.dtype) != self.schema[k]:
+                shape, dtype = self.schema[k]
+                raise WireError(
+                    f"{msg.kind} tensor {k!r} is {t.dtype}{list(t.shape)}, the model's is "
+                    f"{dtype}{list(shape)}"
+                )
+        if msg.kind == "model" and named and len(named) != len(self.schema):
+            missing = sorted(set(self.schema) - set(named))
+            raise WireError(f"model message lacks {len(missing)} model tensors ({missing[0]}, ...)")
+
     def _recv(self, recv: Recv) -> list[Message]:
         if recv.deadline is not None:
             self._drain_until_taken(recv)
@@ -283,7 +336,7 @@ class ZmqNode:
                     f"{describe(recv, self.topology.name)} (a peer died or never came up?)"
                 )
             if self.inbox_socket.poll(max(1, int(remaining * 1000))):
-                self.accept([f.buffer for f in self.inbox_socket.recv_multipart(copy=False)])
+                self.receive()
         return got
 
     def _drain_until_taken(self, recv: Recv) -> None:
@@ -298,10 +351,21 @@ class ZmqNode:
             if remaining <= 0:
                 return
             if self.inbox_socket.poll(max(1, int(remaining * 1000))):
-                self.accept([f.buffer for f in self.inbox_socket.recv_multipart(copy=False)])
+                self.receive()
 
-    def accept(self, parts: list[memoryview]) -> Message | None:
-        """Decode and check one multipart frame; keep it, or drop it with a logged reason."""
+    def receive(self) -> None:
+        """Receive one multipart frame from the inbox and ``accept`` it."""
+        frames = self.inbox_socket.recv_multipart(copy=False)
+        key = str(frames[0].get("User-Id")) if self.keys else None  # set by the CURVE handshake
+        self.accept([f.buffer for f in frames], key)
+
+    def accept(self, parts: list[memoryview], key: str | None = None) -> Message | None:
+        """Decode and check one multipart frame; keep it, or drop it with a logged reason.
+
+        It must come to this node from a neighbour (under CURVE: from the key of the node it
+        names as its sender), hold the model's shapes and dtypes for every model tensor it
+        names (all of them, for a ``model`` message that names one), and find fewer than
+        ``MAX_BACKLOG`` messages of its sender still waiting."""
         size = sum(p.nbytes for p in parts)
         try:
             if size > self.transport.max_message_bytes:
@@ -309,6 +373,12 @@ class ZmqNode:
             msg = decode(parts, self.transport.max_message_bytes)  # tensors view the frames
             if msg.dst != self.node or msg.src not in self.outboxes:
                 raise WireError(f"unexpected route {msg.src} -> {msg.dst}")
+            if self.keys is not None and self.senders.get(key or "") != msg.src:
+                raise WireError(f"claims to come from {msg.src}, but its CURVE key is not theirs")
+            self._check_schema(msg)
+            backlog = sum(m.src == msg.src for m in self.inbox)
+            if backlog >= MAX_BACKLOG:
+                raise WireError(f"{backlog} messages from {msg.src} already wait to be taken")
         except WireError as e:
             self.rejected += 1
             log.warning("%s dropped a frame of %d bytes: %s", self.name, size, e)

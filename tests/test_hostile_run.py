@@ -1,0 +1,288 @@
+"""Hardening (issue 19): output directories, signals, keys and transport bounds.
+
+Real processes and real signals: a run owns its ``--out`` (refused when in use or holding an
+earlier run without ``--force``), SIGINT and SIGTERM end a simulation and a ZeroMQ run with a
+strict-JSON ``summary.json`` that says ``interrupted`` and counts what ``comm.csv`` holds, and
+no peer process outlives its launcher, whatever kills the launcher.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import fcntl
+import json
+import os
+import signal
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from conftest import BASE, ROOT
+from p2pfl.app.cli import LOCK, main
+
+QUICK = BASE | {"peers": {"count": 4}, "algorithm": {"name": "fedavg", "rounds": 2}}
+LONG = BASE | {"peers": {"count": 4}, "algorithm": {"name": "fedavg", "rounds": 100_000}}
+
+
+def write(tmp_path: Path, config: dict[str, Any], name: str = "exp.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def one_error_line(capsys: pytest.CaptureFixture[str]) -> str:
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error:"), err
+    assert "Traceback" not in err
+    return err
+
+
+def strict_json(path: Path) -> dict[str, Any]:
+    def refuse(name: str) -> None:
+        raise AssertionError(f"{path} holds {name}: not JSON")
+
+    return json.loads(path.read_text(), parse_constant=refuse)
+
+
+def comm_rows(path: Path) -> list[dict[str, str]]:
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+# --- output directories --------------------------------------------------------------------
+
+
+def test_a_second_run_into_the_same_directory_is_refused_and_the_first_kept(tmp_path, capsys):
+    path, out = write(tmp_path, QUICK), tmp_path / "out"
+    assert main(["run", str(path), "--out", str(out), "--quiet"]) == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    capsys.readouterr()
+    assert main(["run", str(path), "--out", str(out), "--quiet"]) == 2
+    assert "--force" in one_error_line(capsys)
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
+
+
+def test_force_replaces_an_earlier_run_and_its_stale_files(tmp_path):
+    path, out = write(tmp_path, QUICK), tmp_path / "out"
+    assert main(["run", str(path), "--out", str(out), "--quiet"]) == 0
+    (out / "peers" / "9").mkdir(parents=True)  # an older, larger run's leftovers
+    assert main(["run", str(path), "--out", str(out), "--quiet", "--force"]) == 0
+    assert not (out / "peers").exists() and (out / "summary.json").is_file()
+    assert not (out / LOCK).exists()  # the lock goes with the run
+
+
+@pytest.mark.parametrize("force", [False, True])
+def test_a_directory_that_holds_no_run_is_never_emptied(tmp_path, capsys, force):
+    path, out = write(tmp_path, QUICK), tmp_path / "mine"
+    out.mkdir()
+    (out / "thesis.tex").write_text("precious")
+    args = ["run", str(path), "--out", str(out), "--quiet"] + ["--force"] * force
+    assert main(args) == 2
+    assert ("holds no p2pfl run" if force else "not empty") in one_error_line(capsys)
+    assert (out / "thesis.tex").read_text() == "precious"
+    assert sorted(p.name for p in out.iterdir()) == ["thesis.tex"]
+
+
+@pytest.mark.parametrize("force", [False, True])
+def test_a_directory_another_run_is_writing_to_is_refused(tmp_path, capsys, force):
+    path, out = write(tmp_path, QUICK), tmp_path / "busy"
+    out.mkdir()
+    (out / "config.yaml").write_text("name: other\n")
+    fd = os.open(out / LOCK, os.O_RDWR | os.O_CREAT)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        args = ["run", str(path), "--out", str(out), "--quiet"] + ["--force"] * force
+        assert main(args) == 2
+        assert "in use by another p2pfl run" in one_error_line(capsys)
+        assert (out / "config.yaml").read_text() == "name: other\n"
+    finally:
+        os.close(fd)
+
+
+def test_a_stale_lock_of_a_killed_run_does_not_block(tmp_path):
+    path, out = write(tmp_path, QUICK), tmp_path / "out"
+    out.mkdir()
+    (out / LOCK).write_text("")  # left by a run killed with SIGKILL: nobody holds it
+    assert main(["run", str(path), "--out", str(out), "--quiet"]) == 0
+
+
+@pytest.mark.parametrize("where", ["file", "below_file"])
+def test_an_unusable_out_is_one_line_before_anything_is_loaded(tmp_path, capsys, where):
+    path = write(tmp_path, QUICK)
+    blocker = tmp_path / "blocker"
+    blocker.write_text("x")
+    out = blocker if where == "file" else blocker / "run"
+    assert main(["run", str(path), "--out", str(out), "--quiet"]) == 2
+    assert "is a file" in one_error_line(capsys)
+
+
+def test_a_sweep_resumes_in_its_directory_but_refuses_a_second_sweep_at_once(tmp_path, capsys):
+    config = QUICK | {"sweep": {"seed": [0, 1]}}
+    path, out = write(tmp_path, config), tmp_path / "sweep"
+    assert main(["run", str(path), "--out", str(out), "--quiet"]) == 0
+    assert main(["run", str(path), "--out", str(out), "--quiet"]) == 0  # resume: all done
+    with open(out / "cells.csv", newline="") as f:
+        assert {r["status"] for r in csv.DictReader(f)} == {"done"}
+    fd = os.open(out / LOCK, os.O_RDWR | os.O_CREAT)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        capsys.readouterr()
+        assert main(["run", str(path), "--out", str(out), "--quiet"]) == 2
+        assert "in use" in one_error_line(capsys)
+    finally:
+        os.close(fd)
+
+
+# --- signals -------------------------------------------------------------------------------
+
+
+def start(path: Path, out: Path, *extra: str) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "p2pfl", "run", str(path), "--out", str(out), "--quiet", *extra]
+    return subprocess.Popen(
+        cmd, cwd=ROOT, stderr=subprocess.PIPE, text=True, env=os.environ | {"OMP_NUM_THREADS": "1"}
+    )
+
+
+def wait_for(predicate, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.1)
+
+
+def children(pid: int) -> list[int]:
+    """The process ids of ``pid``'s children (Linux /proc)."""
+    found: list[int] = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        text = (task / "children").read_text().split()
+        found += [int(t) for t in text]
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return False
+    return "\nState:\tZ" not in status  # a zombie has exited
+
+
+def check_interrupted(out: Path, sig: str) -> None:
+    summary = strict_json(out / "summary.json")
+    assert summary["status"] == "interrupted" and summary["signal"] == sig
+    rows = comm_rows(out / "comm.csv")
+    assert rows and summary["comm"]["messages"] == len(rows)
+    assert summary["comm"]["total_bytes"] == sum(int(r["bytes"]) for r in rows)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_ends_a_simulation_with_a_summary_that_counts_what_was_sent(tmp_path, sig):
+    out = tmp_path / "out"
+    proc = start(write(tmp_path, LONG), out)
+    wait_for(lambda: (out / "comm.csv").is_file() and len(comm_rows(out / "comm.csv")) > 20)
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert err.strip() == f"error: interrupted ({sig.name})"
+    check_interrupted(out, sig.name)
+
+
+def test_sigterm_to_the_launcher_stops_every_peer_and_writes_the_summary(tmp_path):
+    out = tmp_path / "out"
+    config = LONG | {"transport": {"timeout_s": 30.0}}
+    proc = start(write(tmp_path, config), out, "--transport", "zmq")
+    wait_for(lambda: len(list(out.glob("peers/*/comm.csv"))) == 5 and (out / "peers").is_dir())
+    wait_for(lambda: (out / "peers/0/comm.csv").stat().st_size > 200)
+    peers = children(proc.pid)
+    assert len(peers) == 5
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err
+    assert not any(alive(p) for p in peers)
+    check_interrupted(out, "SIGTERM")
+
+
+def test_peers_die_with_a_launcher_killed_by_sigkill(tmp_path):
+    out = tmp_path / "out"
+    config = LONG | {"transport": {"timeout_s": 30.0}}
+    proc = start(write(tmp_path, config), out, "--transport", "zmq")
+    wait_for(lambda: len(list(out.glob("peers/*/comm.csv"))) == 5)
+    peers = children(proc.pid)
+    assert len(peers) == 5
+    proc.kill()
+    proc.wait(timeout=10)
+    wait_for(lambda: not any(alive(p) for p in peers), timeout=5.0)
+
+
+def test_summary_json_is_strict_json_when_the_loss_is_not_a_number(tmp_path):
+    """lr 1e30 drives the loss to NaN: summary.json says null, never the literal NaN."""
+    config = QUICK | {"train": {"epochs": 1, "batch_size": 32, "lr": 1e30}}
+    out = tmp_path / "out"
+    assert main(["run", str(write(tmp_path, config)), "--out", str(out), "--quiet"]) == 0
+    summary = strict_json(out / "summary.json")
+    assert summary["final"]["loss"] is None
+
+
+# --- keys and transport bounds -------------------------------------------------------------
+
+
+def test_keys_are_written_with_private_secrets(tmp_path):
+    assert main(["keys", str(tmp_path / "keys"), "--peers", "2", "--server"]) == 0
+    for name in ("0", "1", "server"):
+        secret = stat.S_IMODE((tmp_path / "keys" / f"{name}.key_secret").stat().st_mode)
+        public = stat.S_IMODE((tmp_path / "keys" / f"{name}.key").stat().st_mode)
+        assert (secret, public) == (0o600, 0o644)
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [
+        ("timeout_s", 1e7, "transport.timeout_s: must be <= 1e+06 s"),
+        ("startup_timeout_s", 2e6, "transport.startup_timeout_s: must be <= 1e+06 s"),
+        ("timeout_s", 0, "transport.timeout_s: must be > 0"),
+        ("max_message_bytes", 1 << 50, "transport.max_message_bytes: must be <= 2**40"),
+    ],
+)
+def test_transport_values_a_socket_cannot_take_are_refused(tmp_path, capsys, key, value, message):
+    config = QUICK | {"transport": {key: value}}
+    out = tmp_path / "out"
+    args = ["run", str(write(tmp_path, config)), "--out", str(out), "--transport", "zmq"]
+    assert main(args + ["--quiet"]) == 2
+    assert message in one_error_line(capsys)
+    assert not out.exists()
+
+
+def test_a_hung_peer_ends_the_run_soon_after_the_timeout(tmp_path):
+    """SIGSTOP one client: the server's receive times out after ``timeout_s``, the run fails
+    naming a peer, and every process is gone within ``timeout_s`` + 4 s of the hang."""
+    out = tmp_path / "out"
+    timeout = 3.0
+    config = LONG | {"transport": {"timeout_s": timeout}}
+    proc = start(write(tmp_path, config), out, "--transport", "zmq")
+    wait_for(lambda: (out / "peers/server/comm.csv").is_file())
+    wait_for(lambda: (out / "peers/server/comm.csv").stat().st_size > 500)
+    peers = children(proc.pid)
+    hung = peers[1]
+    os.kill(hung, signal.SIGSTOP)
+    stopped = time.monotonic()
+    try:
+        _, err = proc.communicate(timeout=60)
+        elapsed = time.monotonic() - stopped
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(hung, signal.SIGKILL)
+    assert proc.returncode == 1 and "Traceback" not in err
+    lines = err.strip().splitlines()  # each peer's one line, then the run's
+    assert all(line.startswith("error:") for line in lines), err
+    assert lines[-1].startswith("error: run failed: peer") and "waited 3 s" in lines[-1], err
+    assert elapsed <= timeout + 4.0, elapsed  # 4.97 s for timeout 3 s when written
+    wait_for(lambda: not any(alive(p) for p in peers), timeout=2.0)
+    assert strict_json(out / "summary.json")["status"] == "failed"
