@@ -1,10 +1,12 @@
 """Batched peer training against the one-by-one loop, side by side in one process.
 
 100 peers, Fashion-MNIST split Dirichlet(0.5), MLPs 784-200-10 and 784-32-10, one local
-epoch of SGD (batch 32, lr 0.05, with and without momentum 0.9). "loop" trains the peers
-one after the other with ``Trainer.train``; "batched" trains them in one ``train_batched``
-call. Both start from the same state and draw the same batch orders; the table gives each
-one's wall time, trainings per second and the ratio, and how far the results are apart.
+epoch of SGD (batch 32, lr 0.05, with and without momentum 0.9) on the hand-written MLP
+path, then the same MLPs and LeNet-5 on the ``torch.func`` (vmap) path, with SGD and Adam.
+"loop" trains the peers one after the other with ``Trainer.train``; "batched" trains them
+in one ``train_batched`` call. Both start from the same state and draw the same batch
+orders; the table gives each one's wall time, trainings per second and the ratio, and how
+far the results are apart.
 The last row times a whole simulated run (DFedAvgM on a ring, every peer training each
 round) with ``peers.batched`` off and on. Repeats alternate the two, so load hits both alike.
 
@@ -32,7 +34,7 @@ from p2pfl.app.config import resolve  # noqa: E402
 from p2pfl.app.experiment import build, run  # noqa: E402
 from p2pfl.core.seeding import torch_generator  # noqa: E402
 from p2pfl.learning import batched  # noqa: E402
-from p2pfl.learning.models import average_states  # noqa: E402
+from p2pfl.learning.state import average_states  # noqa: E402
 from p2pfl.learning.training import TrainConfig  # noqa: E402
 from p2pfl.runtime.setup import Setup  # noqa: E402
 
@@ -61,24 +63,26 @@ def loop(setup: Setup, cfg: TrainConfig) -> tuple[float, list]:
     return time.perf_counter() - start, states
 
 
-def together(setup: Setup, pool: batched.DataPool, cfg: TrainConfig) -> tuple[float, list]:
+def together(
+    setup: Setup, pool: batched.DataPool, cfg: TrainConfig, generic: bool = False
+) -> tuple[float, list]:
     init, module = setup.trainer.init_state(0), setup.trainer.module(CPU)
     jobs = [batched.Job(init, p, torch_generator(0, "bench", p)) for p in range(len(pool.peers))]
     start = time.perf_counter()
-    results = batched.train_batched(module, pool, jobs, cfg, CPU)
+    results = batched.train_batched(module, pool, jobs, cfg, CPU, generic)
     return time.perf_counter() - start, [r.state for r in results]
 
 
 def side_by_side(
-    setup: Setup, pool: batched.DataPool, cfg: TrainConfig, repeats: int
+    setup: Setup, pool: batched.DataPool, cfg: TrainConfig, repeats: int, generic: bool = False
 ) -> list[float]:
     """Loop and batched times (medians of alternating repeats, after a warm-up of each),
     their ratio, trainings per second, and how far the results are apart."""
-    loop(setup, cfg), together(setup, pool, cfg)
+    loop(setup, cfg), together(setup, pool, cfg, generic)
     times: dict[str, list[float]] = {"loop": [], "batched": []}
     for _ in range(repeats):
         t_loop, one = loop(setup, cfg)
-        t_batched, other = together(setup, pool, cfg)
+        t_batched, other = together(setup, pool, cfg, generic)
         times["loop"].append(t_loop)
         times["batched"].append(t_batched)
     diff = max((a[k] - b[k]).abs().max().item() for a, b in zip(one, other, strict=True) for k in a)
@@ -117,6 +121,19 @@ def main() -> None:
             cfg = TrainConfig(batch_size=32, lr=0.05, momentum=momentum)
             rows.append([f"mlp {hidden}, momentum {momentum}", args.peers,
                          *side_by_side(setup, pool, cfg, args.repeats)])  # fmt: skip
+        sgd, adam = (
+            TrainConfig(batch_size=32, lr=0.05, momentum=0.9),
+            TrainConfig(batch_size=32, lr=0.001, optimizer="adam"),
+        )
+        rows.append([f"mlp {hidden}, momentum 0.9, torch.func", args.peers,
+                     *side_by_side(setup, pool, sgd, args.repeats, generic=True)])  # fmt: skip
+        rows.append([f"mlp {hidden}, adam, torch.func", args.peers,
+                     *side_by_side(setup, pool, adam, args.repeats)])  # fmt: skip
+    lenet = copy.deepcopy(config) | {"model": {"name": "lenet"}}
+    setup = build(resolve(lenet, Path("batched.yaml")))
+    pool = batched.DataPool(setup.data.peers)
+    rows.append(["lenet, momentum 0.9, torch.func", args.peers,
+                 *side_by_side(setup, pool, sgd, args.repeats)])  # fmt: skip
     config["model"]["hidden"] = [200]
     walls: dict[bool, list[float]] = {False: [], True: []}
     accs = {}

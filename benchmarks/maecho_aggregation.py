@@ -27,7 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import report  # noqa: E402
 
 from p2pfl.data.federated import PeerData  # noqa: E402
-from p2pfl.learning.models import average_states, build_model  # noqa: E402
+from p2pfl.learning.models import build_model  # noqa: E402
+from p2pfl.learning.state import average_states  # noqa: E402
 from p2pfl.methods.maecho import (  # noqa: E402
     Contribution,
     aggregate,

@@ -64,27 +64,88 @@ def test_pool_holds_the_data_once_and_leaves_it_unchanged():
         assert torch.equal(y[start : start + len(by)], by)
 
 
-def test_only_plain_mlps_with_sgd_run_batched():
+def test_what_runs_batched():
     mlp = skewed_setup([8]).trainer.module(CPU)
     assert batched.supports(mlp, TrainConfig(momentum=0.9), None)
-    assert not batched.supports(mlp, TrainConfig(optimizer="adam"), None)
+    assert batched.can_batch(mlp, TrainConfig(optimizer="adam"), None)  # torch.func can ...
+    assert not batched.supports(mlp, TrainConfig(optimizer="adam"), None)  # ... on CUDA
+    assert not batched.supports(mlp, TrainConfig(optimizer="sam"), None)
     assert not batched.supports(mlp, TrainConfig(select="best_val"), None)
     assert not batched.supports(mlp, TrainConfig(), lambda model, ce: ce * 0)
     lenet = build(experiment(model={"name": "lenet"})).trainer.module(CPU)
     assert batched.mlp_layers(lenet) is None
+    assert batched.can_batch(lenet, TrainConfig(), None)  # torch.func can ...
+    assert not batched.supports(lenet, TrainConfig(), None)  # ... but on a CPU it is slower
+    if torch.cuda.is_available():
+        assert batched.supports(lenet.to("cuda"), TrainConfig(optimizer="adam"), None)
     pans = {"name": "mlp", "hidden": [8], "pans": {"mode": "mul", "A": 0.5}}
     pan_mlp = build(experiment(model=pans)).trainer.module(CPU)
     assert batched.mlp_layers(pan_mlp) is None  # the encoding hook changes the function
+    assert not batched.can_batch(pan_mlp, TrainConfig(), None)
+    bn = build(experiment(model={"name": "cnn_s"})).trainer.module(CPU)
+    assert not batched.can_batch(bn, TrainConfig(), None)  # running statistics are buffers
+    dropout = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Dropout(), torch.nn.Linear(4, 2))
+    assert not batched.can_batch(dropout, TrainConfig(), None)
+
+
+FUNC_CASES = [  # (model, training, take the torch.func path for a plain MLP too)
+    ({"name": "mlp", "hidden": [16]}, TrainConfig(batch_size=16, momentum=0.9, weight_decay=1e-3)),
+    ({"name": "mlp", "hidden": [16]}, TrainConfig(batch_size=16, optimizer="adam", lr=0.01)),
+    ({"name": "lenet"}, TrainConfig(epochs=2, batch_size=16, momentum=0.9, weight_decay=1e-3)),
+    ({"name": "lenet"}, TrainConfig(batch_size=16, optimizer="adam", lr=0.005, weight_decay=1e-3)),
+    ({"name": "cnn3"}, TrainConfig(batch_size=16, momentum=0.9)),
+    ({"name": "resnet18", "norm": "group"}, TrainConfig(batch_size=32, lr=0.01)),
+    ({"name": "resnet18", "norm": "none"}, TrainConfig(batch_size=32, lr=0.01, momentum=0.9)),
+]
 
 
 @pytest.mark.parametrize(
-    ("algorithm", "topology", "peers"),
+    ("model", "cfg"),
+    FUNC_CASES,
+    ids=[f"{m['name']}-{m.get('norm', '')}-{c.optimizer}" for m, c in FUNC_CASES],
+)
+def test_torch_func_training_equals_the_one_by_one_loop_for_any_model(model, cfg):
+    setup = build(
+        experiment(
+            peers={"count": 5},
+            model=model,
+            partition={"name": "dirichlet", "alpha": 0.5, "min_size": 5},
+            dataset={"name": "digits", "subset": 400 if model["name"] == "resnet18" else 1000},
+        )
+    )
+    peers = setup.data.peers
+    assert len({p.num_train for p in peers}) > 1  # peers run different numbers of steps
+    init = setup.trainer.init_state(0)
+    loop = [
+        setup.trainer.train(init, peers[p], cfg, torch_generator(0, "t", p), CPU).state
+        for p in range(len(peers))
+    ]
+    pool = batched.DataPool(peers)
+    jobs = [batched.Job(init, p, torch_generator(0, "t", p)) for p in range(len(peers))]
+    module = setup.trainer.module(CPU)
+    together = batched.train_batched(module, pool, jobs, cfg, CPU, generic=True)
+    for one, other in zip(loop, together, strict=True):
+        assert other.state.keys() == one.keys()
+        for key, value in one.items():
+            torch.testing.assert_close(other.state[key], value, rtol=1e-4, atol=5e-5)
+        assert any(not torch.equal(one[k], init[k]) for k in one)  # it trained
+
+
+SGD = {"epochs": 2, "batch_size": 16, "lr": 0.05, "momentum": 0.9}
+ADAM = {"epochs": 2, "batch_size": 16, "lr": 0.005, "optimizer": "adam"}
+
+
+@pytest.mark.parametrize(
+    ("algorithm", "topology", "peers", "train"),
     [
-        ("dfedavgm", {"kind": "ring"}, {}),
-        ("fedavg", {"kind": "star"}, {"link": {"bandwidth_bps": 1e10}}),
+        ("dfedavgm", {"kind": "ring"}, {}, SGD),
+        ("fedavg", {"kind": "star"}, {"link": {"bandwidth_bps": 1e10}}, SGD),
+        ("dfedavgm", {"kind": "ring"}, {}, ADAM),  # the torch.func path
     ],
 )
-def test_batched_runs_match_unbatched_runs(tmp_path, monkeypatch, algorithm, topology, peers):
+def test_batched_runs_match_unbatched_runs(
+    tmp_path, monkeypatch, algorithm, topology, peers, train
+):
     """Same clock, same ledger, same accuracy (to float rounding), and peers really batched."""
     groups: list[int] = []
     train_many = Worker.train_many
@@ -94,11 +155,12 @@ def test_batched_runs_match_unbatched_runs(tmp_path, monkeypatch, algorithm, top
         return train_many(self, jobs)
 
     monkeypatch.setattr(Worker, "train_many", spy)
+    monkeypatch.setattr(batched, "supports", batched.can_batch)  # torch.func on a CPU too
     sections = {
         "topology": topology,
         "algorithm": {"name": algorithm, "rounds": 3},
         "partition": {"name": "dirichlet", "alpha": 0.5, "min_size": 5},
-        "train": {"epochs": 2, "batch_size": 16, "lr": 0.05, "momentum": 0.9},
+        "train": train,
     }
     runs = {}
     for flag in (False, True):

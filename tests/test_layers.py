@@ -7,12 +7,14 @@ fails the suite, not only ``make lint``.
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
 
 import grimp
 import networkx as nx
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -37,3 +39,21 @@ def import_cycles(package: str = "p2pfl") -> list[list[str]]:
 
 def test_no_import_cycles() -> None:
     assert import_cycles() == []
+
+
+OPTIONAL = {"flwr"}  # benchmarks/flower_job.py races Flower where it is installed
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "benchmarks").glob("*.py")), ids=lambda p: p.name)
+def test_every_benchmark_imports(path: Path) -> None:
+    """A module moved in p2pfl must not silently break a benchmark (it happened twice)."""
+    spec = importlib.util.spec_from_file_location(f"bench_{path.stem}", path)
+    assert spec is not None and spec.loader is not None
+    sys.path.insert(0, str(path.parent))
+    try:
+        spec.loader.exec_module(importlib.util.module_from_spec(spec))
+    except ModuleNotFoundError as e:
+        if e.name not in OPTIONAL:
+            raise
+    finally:
+        sys.path.remove(str(path.parent))
