@@ -3,13 +3,22 @@
 from __future__ import annotations
 
 import copy
+import os
 from pathlib import Path
 from typing import Any
 
-import pytest
+# One thread per process, in this process and every one it starts (ZeroMQ peers, ranks,
+# command lines): results that must be equal across processes are computed alike, and the
+# suite's processes do not oversubscribe the cores.
+os.environ["OMP_NUM_THREADS"] = "1"
 
-from p2pfl.app.config import resolve
-from p2pfl.app.experiment import build, run
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from p2pfl.app.config import resolve  # noqa: E402
+from p2pfl.app.experiment import build, run  # noqa: E402
+
+torch.set_num_threads(1)
 
 ROOT = Path(__file__).resolve().parent.parent
 FMNIST_DIR = Path("/usr/share/datasets/fashion-mnist")

@@ -217,7 +217,8 @@ FILES = [
     ("bomb-value", (BOMB + _yaml(train=None) + "train: {lr: *i}\n").encode(), "aliases"),
     ("deep", ("a: " + "[" * 100_000 + "]" * 100_000 + "\n").encode(), "nested more than"),
     ("deep-map", ("a: " + "{a: " * 2000 + "}" * 2000 + "\n").encode(), "nested more than"),
-    ("deep-block", "".join(" " * i + "a:\n" for i in range(2000)).encode(), "a: unknown"),
+    # 900 levels: libyaml 0.2.5 refuses 1,000 block levels itself, older ones parse them
+    ("deep-block", "".join(" " * i + "a:\n" for i in range(900)).encode(), "a: unknown"),
     ("long-int", b"seed: 1" + b"0" * 5000 + b"\n", "digits"),
     ("merge-loop", b"a: &a {<<: *a}\n", "unknown top-level key"),
     ("self-loop", b"a: &a [*a]\n", "aliases"),

@@ -19,19 +19,29 @@ import os
 import shutil
 import signal
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from p2pfl.core.errors import ConfigError, RunError
+
+if TYPE_CHECKING:
+    from p2pfl.runtime.ranks import Ranks
 
 
 class _Parser(argparse.ArgumentParser):
     """argparse that reports bad arguments as one ``error:`` line and exit code 2."""
 
     def error(self, message: str) -> None:  # type: ignore[override]
-        print(f"error: {message}", file=sys.stderr)
+        _error(message)
         sys.exit(2)
+
+
+def _error(message: str) -> None:
+    """One ``error:`` line in one write: peers and ranks share the launcher's stderr."""
+    sys.stderr.write(f"error: {message}\n")
+    sys.stderr.flush()
 
 
 def parser() -> argparse.ArgumentParser:
@@ -50,6 +60,12 @@ def parser() -> argparse.ArgumentParser:
         help="sim: simulated network (default); zmq: one process per peer over ZeroMQ",
     )
     r.add_argument("--quiet", action="store_true", help="no progress bar")
+    r.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="train on N local processes (torch.distributed); same results as one",
+    )
 
     peer = sub.add_parser("peer", help="run one node of a real (ZeroMQ) run, e.g. on another host")
     _experiment_args(peer)
@@ -188,10 +204,18 @@ def _empty(out: Path) -> None:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and int(os.environ.get("RANK", "0")) > 0:
+        return _helper_rank(args)
+    with _ranks(args) as join:  # the other ranks start, import and load while this one does
+        return _run(args, join)
+
+
+def _run(args: argparse.Namespace, join: Callable[[], Ranks | None]) -> int:
     from p2pfl.app.experiment import run
     from p2pfl.app.sweep import load, run_sweep
 
     raw, grid = load(args.experiment, args.sets, args.seed)
+    spread = _check_workers(args, bool(grid))
     if grid:
         out = output_dir(args.out or f"runs/{raw.get('name', Path(args.experiment).stem)}")
         check_fresh(out, args.force, reuse=not args.force)
@@ -202,9 +226,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     out = output_dir(args.out or f"runs/{name}-seed{raw.get('seed', 0)}")
     check_fresh(out, args.force)
     setup = _setup(args, args.transport)
-    config = setup.config
+    if spread and setup.population.compute != "model":  # wall-clock compute differs by rank
+        raise ConfigError("--workers", "needs peers.compute: model")
     with _claimed(out, args.force):
-        summary = run(setup, out, progress=not args.quiet, transport=args.transport)
+        summary = run(setup, out, not args.quiet, args.transport, join())
+    config = setup.config
     comm = summary["comm"]
     print(
         f"{config['name']}: {summary['algorithm']} on {summary['num_peers']} peers "
@@ -212,6 +238,91 @@ def cmd_run(args: argparse.Namespace) -> int:
         f"{comm['total_bytes']:,} bytes in {comm['messages']} messages, "
         f"simulated {summary['sim_time_s']:.2f} s, wall {summary['wall_time_s']:.1f} s -> {out}"
     )
+    return 0
+
+
+def _check_workers(args: argparse.Namespace, sweep: bool) -> bool:
+    """Whether this run is spread over ranks (``--workers``, or started by ``torchrun``)."""
+    if not 1 <= args.workers <= 1024:
+        raise ConfigError("--workers", f"must be in 1..1024, got {args.workers}")
+    from p2pfl.runtime.children import LAUNCHER_PID
+
+    under_torchrun = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    if args.workers > 1 and under_torchrun and LAUNCHER_PID not in os.environ:
+        raise ConfigError("--workers", "torchrun already starts the ranks; leave --workers out")
+    spread = args.workers > 1 or under_torchrun
+    if spread and sweep:
+        raise ConfigError("--workers", "spreads one experiment, not a sweep")
+    if spread and args.transport != "sim":
+        raise ConfigError("--workers", "spreads a simulation (--transport sim)")
+    return spread
+
+
+@contextmanager
+def _ranks(args: argparse.Namespace) -> Iterator[Callable[[], Ranks | None]]:
+    """Rank 0's side: start the other ranks (``--workers``) at once, so that they build the
+    run while this one does; give a function that joins them once this rank's build has
+    passed every check; wait for them at the end, stop them on error."""
+    from p2pfl.runtime.children import Workers  # no torch yet: the ranks start at once
+
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 and not 1 < args.workers <= 1024:
+        yield lambda: None
+        return
+    workers = None
+    joined: list[Ranks | None] = []
+
+    def join() -> Ranks | None:
+        from p2pfl.runtime.ranks import Ranks
+
+        if workers is None:
+            joined.append(Ranks.from_env())
+        else:
+            workers.ready.set()
+            joined.append(Ranks.from_env(workers.env, workers.threads))
+        return joined[0]
+
+    try:
+        if args.workers > 1 and "WORLD_SIZE" not in os.environ and args.transport == "sim":
+            argv = ["run", args.experiment, "--quiet", "--out", str(args.out or "-")]
+            argv += [f"--set={s}" for s in args.sets] + ["--workers", str(args.workers)]
+            argv += ["--seed", str(args.seed)] if args.seed is not None else []
+            workers = Workers(args.workers, argv)
+        yield join
+        if workers is not None:
+            workers.join()
+    finally:
+        if workers is not None:
+            workers.stop()
+        if joined and joined[0] is not None:
+            joined[0].close()
+
+
+def _helper_rank(args: argparse.Namespace) -> int:
+    """A rank above 0: build the same run, train its share, write nothing (rank 0 does).
+    A configuration error under ``--workers`` exits 2 silently: rank 0 reports it."""
+    import tempfile
+
+    from p2pfl.app.experiment import run
+    from p2pfl.app.sweep import load
+    from p2pfl.runtime.children import LAUNCHER_PID, die_with_launcher
+    from p2pfl.runtime.ranks import Ranks
+
+    if LAUNCHER_PID in os.environ:
+        die_with_launcher()
+    try:
+        _check_workers(args, bool(load(args.experiment, args.sets, args.seed)[1]))
+        setup = _setup(args, "sim")
+        if setup.population.compute != "model":
+            raise ConfigError("--workers", "needs peers.compute: model")
+    except ConfigError:
+        if LAUNCHER_PID in os.environ:
+            return 2
+        raise
+    ranks = Ranks.from_env()
+    with tempfile.TemporaryDirectory(prefix="p2pfl-rank") as tmp:
+        run(setup, Path(tmp), False, "sim", ranks)
+    if ranks is not None:
+        ranks.close()
     return 0
 
 
@@ -302,13 +413,13 @@ def main(argv: list[str] | None = None) -> int:
         }  # fmt: skip
         return commands[args.command](args)
     except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
+        _error(str(e))
         return 2
     except RunError as e:
-        print(f"error: {e}", file=sys.stderr)
+        _error(str(e))
         return 1
     except KeyboardInterrupt as e:
-        print(f"error: interrupted ({str(e) or 'SIGINT'})", file=sys.stderr)
+        _error(f"interrupted ({str(e) or 'SIGINT'})")
         return 130
     finally:
         signal.signal(signal.SIGTERM, previous)

@@ -38,6 +38,7 @@ from p2pfl.reporting import matching
 from p2pfl.reporting.partition import save_partition
 from p2pfl.reporting.reporters import Reporter, open_reporters
 from p2pfl.runtime.launcher import launch
+from p2pfl.runtime.ranks import Ranks
 from p2pfl.runtime.setup import EvalConfig, Setup
 from p2pfl.runtime.sim import SimRuntime
 from p2pfl.runtime.sockets import TransportConfig, check_curve_keys
@@ -108,8 +109,15 @@ def build(config: dict[str, Any], transport: str = "sim") -> Setup:
     )
 
 
-def run(setup: Setup, out: Path, progress: bool = False, transport: str = "sim") -> dict[str, Any]:
-    """Run ``setup`` simulated (``sim``) or as real processes (``zmq``); write to ``out``."""
+def run(
+    setup: Setup,
+    out: Path,
+    progress: bool = False,
+    transport: str = "sim",
+    ranks: Ranks | None = None,
+) -> dict[str, Any]:
+    """Run ``setup`` simulated (``sim``; over several ``ranks`` if given) or as real
+    processes (``zmq``); write to ``out``."""
     out.mkdir(parents=True, exist_ok=True)
     config_file = out / "config.yaml"
     config_file.write_text(yaml.safe_dump(setup.config, sort_keys=False))
@@ -121,7 +129,7 @@ def run(setup: Setup, out: Path, progress: bool = False, transport: str = "sim")
     reporters = open_reporters(out, setup.eval.reporters)
     try:
         if transport == "sim":
-            finals, baselines, clock, comm = _simulate(setup, out, progress, reporters)
+            finals, baselines, clock, comm = _simulate(setup, out, progress, reporters, ranks)
         else:
             outcome = launch(setup, out, config_file, reporters)
             finals, baselines, clock, comm = (
@@ -129,7 +137,7 @@ def run(setup: Setup, out: Path, progress: bool = False, transport: str = "sim")
             )  # fmt: skip
             if setup.network is not None:
                 save_availability(setup.network, clock, out)
-        summary |= _results(setup, finals, clock, reporters)
+        summary |= _results(setup, finals, clock, reporters, ranks)
         if baselines:
             summary["baselines"] = baselines
         summary["status"] = "ok"
@@ -172,20 +180,21 @@ def write_json(path: Path, value: Any) -> None:
 
 
 def _simulate(
-    setup: Setup, out: Path, progress: bool, metrics: Reporter
+    setup: Setup, out: Path, progress: bool, metrics: Reporter, ranks: Ranks | None = None
 ) -> tuple[dict[int, Finish], dict[str, float], float, dict[str, Any]]:
     """Run every node on one SimPy clock; return finals, baselines, end time and ledger."""
     ledger = Ledger(out / "comm.csv", fates=setup.network is not None)
     worker = Worker(
         setup.trainer, setup.data, setup.train, setup.population, setup.topology, setup.seed,
         metrics, setup.eval.every, setup.method.total_rounds(setup.topology.num_peers), out,
-        progress,
+        progress, ranks,
     )  # fmt: skip
     compression = from_section(setup.config["compression"])
     runtime = SimRuntime(setup.topology, worker, ledger, compression, setup.network)
     try:
         behaviours = {n: setup.behaviour(ctx) for n, ctx in setup.contexts().items()}
         finals = runtime.run(behaviours)
+        worker.settle()
     except Exception as e:
         raise RunError(f"at t={runtime.now:.3f}s: {e}") from e
     finally:
@@ -229,9 +238,10 @@ def final_state(finals: dict[int, Finish], topology: Topology) -> State:
 
 
 def _results(
-    setup: Setup, finals: dict[int, Finish], now: float, metrics: Reporter
+    setup: Setup, finals: dict[int, Finish], now: float, metrics: Reporter, ranks: Ranks | None
 ) -> dict[str, Any]:
-    """Score the output model and every peer's final model; log the output's rows."""
+    """Score the output model and every peer's final model (split across ``ranks``); log
+    the output's rows."""
     device = resolve_device(setup.population.profiles[0].device)
 
     def score(state: State) -> tuple[float, float]:
@@ -253,9 +263,16 @@ def _results(
                 metrics.log(now, last_round, "final", f"match_{against}/{layer}", ratio)
     per_peer = []
     if setup.eval.per_peer:
-        for p in setup.topology.peers:
-            state = finals[p].state if p in finals else None
-            per_peer.append({"peer": p, "accuracy": None if state is None else score(state)[0]})
+        states = [finals[p].state if p in finals else None for p in setup.topology.peers]
+        scored = [
+            (p, s) for p, s in zip(setup.topology.peers, states, strict=True) if s is not None
+        ]
+        if ranks is None:
+            accs = [score(s)[0] for _, s in scored]
+        else:
+            accs = [a[0] for a in ranks.spread(len(scored), 1, lambda i: score(scored[i][1])[:1])]
+        acc_of = dict(zip([p for p, _ in scored], accs, strict=True))
+        per_peer = [{"peer": p, "accuracy": acc_of.get(p)} for p in setup.topology.peers]
     if setup.adversary is not None:
         bad = set(setup.adversary.peers)
         honest = [

@@ -120,7 +120,8 @@ class Compute:
 
 @dataclass(frozen=True)
 class Evaluate:
-    """Score ``state`` on the global test set and log accuracy and loss; returns ``(acc, loss)``."""
+    """Score ``state`` on the global test set and log accuracy and loss; returns ``(acc, loss)``
+    (``None`` in a simulation spread over ranks, which scores it later, at its next flush)."""
 
     state: State
     round: int

@@ -15,14 +15,12 @@ launcher watches the processes: one that dies, or reports a failure, ends the ru
 from __future__ import annotations
 
 import csv
-import ctypes
 import json
 import os
 import re
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Set
 from dataclasses import dataclass
@@ -40,6 +38,7 @@ from p2pfl.network.ledger import Ledger
 from p2pfl.network.message import Message
 from p2pfl.network.wire import decode, encode
 from p2pfl.reporting.reporters import CsvReporter, Reporter
+from p2pfl.runtime.children import LAUNCHER_PID, die_with_launcher
 from p2pfl.runtime.setup import Setup
 from p2pfl.runtime.sockets import Crashed, TransportConfig, ZmqNode, model_schema
 from p2pfl.runtime.worker import Worker
@@ -127,7 +126,8 @@ def run_peer(
         return 0
     except (RunError, ConfigError, zmq.ZMQError) as e:
         result["error"] = str(e)
-        print(f"error: peer {name}: {e}", file=sys.stderr)
+        sys.stderr.write(f"error: peer {name}: {e}\n")  # one write: peers share stderr
+        sys.stderr.flush()
         return 1
     finally:
         result |= {"rejected_frames": zn.rejected, "compute_wall_s": setup.trainer.busy_s}
@@ -139,29 +139,6 @@ def run_peer(
 
 STOP_GRACE_S = 1.0
 """How long a peer process has to exit after SIGTERM before it is killed."""
-
-LAUNCHER_PID = "P2PFL_LAUNCHER_PID"
-"""The environment variable that tells a node the launcher's process id."""
-
-
-def die_with_launcher() -> None:
-    """Make this node die with the launcher that started it, whatever kills the launcher
-    (SIGKILL included): Linux's parent-death signal, or elsewhere a thread that watches the
-    parent; a node whose launcher is already gone exits at once."""
-    parent = int(os.environ.get(LAUNCHER_PID, "0"))
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (AttributeError, OSError):
-
-        def watch() -> None:
-            while os.getppid() == parent:
-                time.sleep(0.5)
-            os._exit(1)
-
-        threading.Thread(target=watch, daemon=True).start()
-    if parent and os.getppid() != parent:
-        os._exit(1)
 
 
 def warm_up() -> None:

@@ -18,12 +18,14 @@ from p2pfl.core.seeding import torch_generator
 from p2pfl.data.federated import FederatedData
 from p2pfl.learning import batched
 from p2pfl.learning.ensemble import score_ensemble
+from p2pfl.learning.state import State
 from p2pfl.learning.training import TrainConfig, Trainer, TrainResult, resolve_device, work
 from p2pfl.methods.effects import Artifact, Compute, Effect, Evaluate, Log, Report, Train
 from p2pfl.network.peers import Population
 from p2pfl.network.topology import Topology
 from p2pfl.reporting.heatmap import save_heatmap, save_matrix_csv
 from p2pfl.reporting.reporters import Reporter
+from p2pfl.runtime.ranks import Ranks
 
 
 class Worker:
@@ -42,6 +44,7 @@ class Worker:
         total_rounds: int,
         out: Path | None = None,
         progress: bool = False,
+        ranks: Ranks | None = None,
     ) -> None:
         self.trainer = trainer
         self.data = data
@@ -60,6 +63,9 @@ class Worker:
         }
         self._server_device = resolve_device(population.profiles[0].device)
         self._pool: batched.DataPool | None = None
+        self.ranks = ranks
+        self._evals: list[tuple[int, State]] = []  # deferred evaluations (over ranks)
+        self._rows: list[tuple[float, int, str, str, float | tuple[int, int]]] = []
 
     def perform(self, node: int, eff: Effect, now: float) -> tuple[Any, float]:
         """Carry out a local effect; return its result and its simulated duration."""
@@ -102,17 +108,24 @@ class Worker:
         return cfg, torch_generator(self.seed, "train", node, eff.round, eff.tag)
 
     def batchable_seconds(self, node: int, eff: Train) -> float | None:
-        """The simulated duration of a training that may be deferred and run batched with
-        others (``peers.batched``, ``compute: model``, a supported model and optimizer);
-        ``None`` if it must run on its own, now."""
+        """The simulated duration of a training that may be deferred, to run batched with
+        others (``peers.batched``, a supported model and optimizer) or on another rank
+        (:mod:`p2pfl.runtime.ranks`: any training); ``None`` if it must run on its own, now.
+        Either needs ``compute: model``: a duration known before the training runs."""
         population = self.population
-        if not population.batched or population.compute != "model" or node >= len(self.data.peers):
+        if population.compute != "model" or node >= len(self.data.peers):
             return None
+        if self.ranks is None and not (population.batched and self._batchable(node, eff)):
+            return None
+        return self._seconds(node, self._flops(node, eff), 0.0)
+
+    def _batchable(self, node: int, eff: Train) -> bool:
         cfg = self.train_cfg.with_overrides(eff.overrides)
-        if not batched.supports(self.trainer.module(self.device(node)), cfg, eff.regularizer):
-            return None
-        flops = self.trainer.compute_flops(*work(cfg, self.data.peers[node]))
-        return self._seconds(node, flops, 0.0)
+        return batched.supports(self.trainer.module(self.device(node)), cfg, eff.regularizer)
+
+    def _flops(self, node: int, eff: Train) -> float:
+        cfg = self.train_cfg.with_overrides(eff.overrides)
+        return self.trainer.compute_flops(*work(cfg, self.data.peers[node]))
 
     def pool(self) -> batched.DataPool:
         """All peers' training data in one tensor (made on first use: simulation only)."""
@@ -121,16 +134,28 @@ class Worker:
         return self._pool
 
     def train_many(self, jobs: list[tuple[int, Train]]) -> list[TrainResult]:
-        """Run deferred trainings (see :meth:`batchable_seconds`): those sharing a config
-        and a device as one batched computation, a lone one as usual."""
+        """Run deferred trainings (see :meth:`batchable_seconds`); over several ranks, each
+        trains its share and every rank gets every result."""
+        if self.ranks is None:
+            return self._train_share(jobs)
+        self.settle()
+        owner = self.ranks.owners([self._flops(node, eff) for node, eff in jobs])
+        mine = [j for j in range(len(jobs)) if owner[j] == self.ranks.rank]
+        trained = self._train_share([jobs[j] for j in mine])
+        starts = [eff.state for _, eff in jobs]
+        return self.ranks.exchange(starts, owner, dict(zip(mine, trained, strict=True)))
+
+    def _train_share(self, jobs: list[tuple[int, Train]]) -> list[TrainResult]:
+        """Those sharing a config and a device as one batched computation (``peers.batched``),
+        the others one by one."""
         groups: dict[tuple[TrainConfig, torch.device], list[int]] = {}
         for i, (node, eff) in enumerate(jobs):
-            key = (self.train_cfg.with_overrides(eff.overrides), self.device(node))
-            groups.setdefault(key, []).append(i)
+            if self.population.batched and self._batchable(node, eff):
+                key = (self.train_cfg.with_overrides(eff.overrides), self.device(node))
+                groups.setdefault(key, []).append(i)
         results: list[TrainResult | None] = [None] * len(jobs)
         for (cfg, device), members in groups.items():
             if len(members) == 1:
-                results[members[0]] = self.train(*jobs[members[0]])[0]
                 continue
             batch = []
             for i in members:
@@ -142,7 +167,7 @@ class Worker:
             self.trainer.busy_s += sum(r.wall_s for r in trained)
             for i, result in zip(members, trained, strict=True):
                 results[i] = result
-        return [r for r in results if r is not None]
+        return [r if r is not None else self.train(*jobs[i])[0] for i, r in enumerate(results)]
 
     def compute(self, node: int, eff: Compute) -> tuple[Any, float]:
         """Run a local statistic on the node's data; return it with its simulated duration."""
@@ -187,17 +212,48 @@ class Worker:
         """Score on the global test set when the round is due (``eval.every``, and the last)."""
         if eff.round % self.eval_every and eff.round != self.total_rounds:
             return None
-        acc, loss = self.trainer.evaluate(
-            eff.state, self.data.test_x, self.data.test_y, self.device(node)
-        )
         name = self.topology.name(node)
-        self.metrics.log(now, eff.round, name, "accuracy", acc)
-        self.metrics.log(now, eff.round, name, "loss", loss)
         self._advance(eff.round)
+        if self.ranks is not None:  # no method uses the scores: score them at the next flush
+            self._evals.append((node, {k: v.clone() for k, v in eff.state.items()}))
+            self._log(now, eff.round, name, "accuracy", (len(self._evals) - 1, 0))
+            self._log(now, eff.round, name, "loss", (len(self._evals) - 1, 1))
+            return None
+        acc, loss = self._score(node, eff.state)
+        self._log(now, eff.round, name, "accuracy", acc)
+        self._log(now, eff.round, name, "loss", loss)
         return acc, loss
 
+    def _score(self, node: int, state: State) -> tuple[float, float]:
+        return self.trainer.evaluate(state, self.data.test_x, self.data.test_y, self.device(node))
+
     def log(self, node: int, eff: Log, now: float) -> None:
-        self.metrics.log(now, eff.round, self.topology.name(node), eff.metric, eff.value)
+        self._log(now, eff.round, self.topology.name(node), eff.metric, eff.value)
+
+    def _log(
+        self, now: float, round: int, peer: str, metric: str, value: float | tuple[int, int]
+    ) -> None:
+        """Write a metric row, or hold it (in order) behind deferred evaluations; a pair
+        ``(i, k)`` stands for the ``k``-th score of deferred evaluation ``i``."""
+        if self._evals:
+            self._rows.append((now, round, peer, metric, value))
+        else:
+            assert not isinstance(value, tuple)
+            self.metrics.log(now, round, peer, metric, value)
+
+    def settle(self) -> None:
+        """Run the deferred evaluations, split across the ranks, and write the rows held
+        behind them: ``metrics.csv`` reads as if each had been scored when it was asked."""
+        if self.ranks is None or not self._evals:
+            return
+        evals = self._evals
+        scores = self.ranks.spread(len(evals), 2, lambda i: self._score(*evals[i]))
+        self._evals = []
+        for now, round, peer, metric, value in self._rows:
+            if isinstance(value, tuple):
+                value = scores[value[0]][value[1]]
+            self.metrics.log(now, round, peer, metric, value)
+        self._rows = []
 
     def _advance(self, round: int) -> None:
         if round > self._bar.n:

@@ -1,0 +1,143 @@
+"""A simulation spread over torch.distributed ranks (``--workers``, ``torchrun``) writes the
+same bytes as one process: the trainings are split, their results gathered in rank order."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from conftest import BASE, ROOT
+from p2pfl.app.cli import main
+from p2pfl.runtime.children import free_port
+from p2pfl.runtime.ranks import Ranks
+
+RING = {
+    "topology": {"kind": "ring"},
+    "peers": {"count": 6},
+    "algorithm": {"name": "dfedavgm", "rounds": 2},
+    "partition": {"name": "dirichlet", "alpha": 0.5, "min_size": 5},
+    "eval": {"every": 1, "per_peer": True},  # scores deferred, split and written in order
+}
+PROX = {  # a regulariser: trainings that never batch are spread too
+    "topology": {"kind": "star"},
+    "peers": {"count": 5},
+    "algorithm": {"name": "fedprox", "rounds": 2, "mu": 0.1},
+    "train": {"epochs": 2, "batch_size": 32, "lr": 0.05, "select": "best_val"},
+    "partition": {"name": "iid", "val_fraction": 0.2},
+}
+
+
+def exp_file(tmp_path: Path, **sections: Any) -> Path:
+    path = tmp_path / "exp.yaml"
+    path.write_text(yaml.safe_dump(copy.deepcopy(BASE) | sections))
+    return path
+
+
+def outputs(out: Path) -> dict[str, Any]:
+    """What must not depend on the number of ranks: all but wall-clock times."""
+    summary = json.loads((out / "summary.json").read_text())
+    for key in ("wall_time_s", "compute_wall_s"):
+        summary.pop(key)
+    files = {name: (out / name).read_bytes() for name in ("comm.csv", "metrics.csv")}
+    return files | {"summary": summary}
+
+
+def test_owners_are_longest_first_to_the_least_loaded_rank():
+    assert Ranks(0, 2).owners([5.0, 1.0, 4.0, 2.0]) == [0, 0, 1, 1]
+    assert Ranks(1, 3).owners([1.0, 1.0, 1.0, 1.0]) == [0, 1, 2, 0]  # ties: lower rank, job
+    assert Ranks(0, 1).owners([3.0, 2.0]) == [0, 0]
+
+
+@pytest.mark.parametrize("sections", [RING, PROX], ids=["dfedavgm", "fedprox-best_val"])
+def test_world_sizes_1_2_and_4_write_the_same_bytes(tmp_path, sections):
+    exp = exp_file(tmp_path, **sections)
+    runs = {}
+    for n in (1, 2, 4):
+        out = tmp_path / f"w{n}"
+        assert main(["run", str(exp), "--out", str(out), "--quiet", "--workers", str(n)]) == 0
+        runs[n] = outputs(out)
+    assert runs[2] == runs[1] and runs[4] == runs[1]
+    rows = runs[1]["metrics.csv"].decode().splitlines()
+    assert sum(",accuracy," in row for row in rows) > 2  # per-round scores were written
+    assert "WORLD_SIZE" not in os.environ  # rank 0's process is given back as it was
+
+
+def test_workers_and_batching_compose(tmp_path):
+    exp = exp_file(tmp_path, **(RING | {"peers": {"count": 6, "batched": True}}))
+    runs = {}
+    for n in (1, 2):
+        out = tmp_path / f"w{n}"
+        assert main(["run", str(exp), "--out", str(out), "--quiet", "--workers", str(n)]) == 0
+        runs[n] = outputs(out)
+    assert runs[2]["comm.csv"] == runs[1]["comm.csv"]  # same clock and ledger
+    one, two = runs[1]["summary"]["final"], runs[2]["summary"]["final"]
+    assert two["accuracy"] == pytest.approx(one["accuracy"], abs=0.01)  # each rank batches
+
+
+def test_torchrun_starts_the_same_run_on_loopback(tmp_path):
+    exp = exp_file(tmp_path, **RING)
+    assert main(["run", str(exp), "--out", str(tmp_path / "one"), "--quiet"]) == 0
+    torchrun = Path(sys.executable).parent / "torchrun"
+    cmd = [str(torchrun), "--nproc-per-node", "2", "--master-port", str(free_port())]
+    cmd += ["-m", "p2pfl", "run", str(exp), "--out", str(tmp_path / "two"), "--quiet"]
+    env = os.environ | {"OMP_NUM_THREADS": "1"}
+    done = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert outputs(tmp_path / "two") == outputs(tmp_path / "one")
+
+
+def test_a_dead_rank_ends_the_run_naming_it(tmp_path):
+    exp = exp_file(tmp_path, **(RING | {"algorithm": {"name": "dfedavgm", "rounds": 200}}))
+    cmd = [sys.executable, "-m", "p2pfl", "run", str(exp), "--out", str(tmp_path / "o")]
+    env = os.environ | {"OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(
+        [*cmd, "--quiet", "--workers", "2"], env=env, cwd=ROOT, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        child = None
+        for _ in range(300):  # the rank appears within seconds
+            found = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True)
+            if found.stdout.strip():
+                child = int(found.stdout.split()[0])
+                break
+            time.sleep(0.1)
+        assert child is not None
+        time.sleep(3)  # the run is under way
+        os.kill(child, signal.SIGKILL)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 1
+    assert "error: worker rank 1 exited with code -9" in err
+    assert "Traceback" not in err
+
+
+BAD = [
+    (["--workers", "0"], {}, "--workers: must be in 1..1024"),
+    (["--workers", "2", "--transport", "zmq"], {}, "--workers: spreads a simulation"),
+    (["--workers", "2"], {"sweep": {"seed": [0, 1]}}, "--workers: spreads one experiment"),
+    (
+        ["--workers", "2"],
+        {"peers": {"count": 4, "compute": "measured"}},
+        "--workers: needs peers.compute: model",
+    ),
+]
+
+
+@pytest.mark.parametrize("argv,sections,message", BAD, ids=[m.split(": ")[1] for *_, m in BAD])
+def test_a_run_that_cannot_be_spread_is_one_error_line(tmp_path, capsys, argv, sections, message):
+    out = tmp_path / "out"
+    code = main(["run", str(exp_file(tmp_path, **sections)), "--out", str(out), *argv])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith(f"error: {message}") and len(err.splitlines()) == 1, err
+    assert not out.exists()
