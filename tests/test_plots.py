@@ -7,6 +7,7 @@ import json
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -103,3 +104,18 @@ def test_cost_and_sweep_charts_are_valid(tmp_path):
     )
     assert [p.name for p in written] == ["cost.png", "cost.svg", "sweep.png", "sweep.svg"]
     assert all(valid(p) for p in written)
+
+
+def test_a_heatmap_of_a_thousand_peers_stays_a_readable_size(tmp_path):
+    """Beyond 60 rows the figure stops growing (1,000 peers once made a 40,000-pixel PNG
+    with 1,000 tick labels, seconds of every large run); a small one keeps a tick a row."""
+    import matplotlib.image
+
+    from p2pfl.reporting.heatmap import save_heatmap
+
+    counts = np.arange(10_000).reshape(1000, 10) % 97
+    save_heatmap(counts, tmp_path / "big.png", "t", "class", "peer")
+    save_heatmap(counts[:60], tmp_path / "sixty.png", "t", "class", "peer")
+    big = matplotlib.image.imread(tmp_path / "big.png").shape
+    sixty = matplotlib.image.imread(tmp_path / "sixty.png").shape
+    assert big[:2] == sixty[:2] and big[0] < 2600

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -311,3 +312,60 @@ def test_curve_keeps_out_a_process_without_the_key(tmp_path):
 
 def test_every_shipped_experiment_has_a_transport_section_default():
     assert experiment()["transport"]["timeout_s"] == 60.0
+
+
+def test_a_multi_host_run_merged_has_the_outputs_of_a_launcher_run(tmp_path, capsys):
+    """Nodes started one by one with ``--addresses`` into two "hosts'" directories, copied
+    together and merged: the summary, metrics and ledger a launcher run writes, with the
+    simulation's final and per-peer accuracies and bytes; ``p2pfl plot`` reads it."""
+    from p2pfl.app.cli import main
+    from p2pfl.runtime.children import free_port
+
+    path = write_experiment(
+        tmp_path, topology={"kind": "ring"}, algorithm={"name": "dfedavgm", "rounds": 2},
+        transport={"timeout_s": TIMEOUT},
+    )  # fmt: skip
+    addresses = tmp_path / "addresses.yaml"
+    addresses.write_text(yaml.safe_dump({i: f"tcp://127.0.0.1:{free_port()}" for i in range(4)}))
+    cmd = [sys.executable, "-m", "p2pfl", "peer", str(path), "--addresses", str(addresses)]
+    hosts = {0: "A", 1: "A", 2: "B", 3: "B"}
+    procs = [
+        subprocess.Popen([*cmd, "--peer", str(i), "--out", str(tmp_path / h)], cwd=ROOT)
+        for i, h in hosts.items()
+    ]
+    assert [p.wait(timeout=300) for p in procs] == [0] * 4
+    merged = tmp_path / "merged"
+    for i, h in hosts.items():
+        shutil.copytree(tmp_path / h / "peers" / str(i), merged / "peers" / str(i))
+    assert main(["merge", str(merged)]) == 0
+    assert main(["run", str(path), "--out", str(tmp_path / "sim"), "--quiet"]) == 0
+    real = json.loads((merged / "summary.json").read_text())
+    sim = json.loads((tmp_path / "sim" / "summary.json").read_text())
+    assert (real["status"], real["transport"]) == ("ok", "zmq")
+    assert real["final"] == sim["final"] and real["per_peer"] == sim["per_peer"]
+    assert real["comm"]["total_bytes"] == sim["comm"]["total_bytes"] > 0
+    rows = (merged / "metrics.csv").read_text().splitlines()
+    assert sum(",accuracy," in r for r in rows) == sum(
+        ",accuracy," in r for r in (tmp_path / "sim" / "metrics.csv").read_text().splitlines()
+    )
+    assert main(["plot", str(merged)]) == 0
+    capsys.readouterr()
+
+    # merged already: refused in one line; --force merges again, the nodes' files kept
+    assert main(["merge", str(merged)]) == 2
+    assert "pass --force" in capsys.readouterr().err
+    assert main(["merge", str(merged), "--force"]) == 0
+    assert json.loads((merged / "summary.json").read_text())["final"] == sim["final"]
+    # a node missing, or nodes that ran different experiments: one line, nothing written
+    shutil.rmtree(merged / "peers" / "3")
+    capsys.readouterr()
+    assert main(["merge", str(merged), "--force"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "node(s) 3" in err, err
+    shutil.copytree(tmp_path / "B" / "peers" / "3", merged / "peers" / "3")
+    config = merged / "peers" / "3" / "config.yaml"
+    config.write_text(config.read_text().replace("seed: 0", "seed: 1", 1))
+    assert main(["merge", str(merged), "--force"]) == 2
+    assert "different experiments" in capsys.readouterr().err
+    assert main(["merge", str(tmp_path / "nowhere")]) == 2
+    assert "no peers/NAME/config.yaml" in capsys.readouterr().err

@@ -88,6 +88,12 @@ def parser() -> argparse.ArgumentParser:
     cost.add_argument("--model-bytes", type=int, help="M: count tensor bytes, a model as M")
     cost.add_argument("--out", help="output directory (default runs/NAME-cost)")
 
+    merge = sub.add_parser(
+        "merge", help="outputs of a real run whose peers ran on several hosts (p2pfl peer)"
+    )
+    merge.add_argument("run", metavar="RUN_DIR", help="holds every node's peers/NAME/ directory")
+    merge.add_argument("--force", action="store_true", help="merge an already merged run again")
+
     plot = sub.add_parser("plot", help="pictures of finished runs and sweeps")
     plot.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run or sweep directories")
     plot.add_argument("--out", help="output directory (default RUN_DIR/plots, the first one)")
@@ -192,10 +198,10 @@ def _claimed(out: Path, force: bool) -> Iterator[None]:
         yield
 
 
-def _empty(out: Path) -> None:
-    """Remove what a run directory holds (``--force``), all but the lock."""
+def _empty(out: Path, keep: tuple[str, ...] = ()) -> None:
+    """Remove what a run directory holds (``--force``), all but the lock and ``keep``."""
     for p in out.iterdir():
-        if p.name == LOCK:
+        if p.name == LOCK or p.name in keep:
             continue
         if p.is_dir() and not p.is_symlink():
             shutil.rmtree(p)
@@ -230,14 +236,59 @@ def _run(args: argparse.Namespace, join: Callable[[], Ranks | None]) -> int:
         raise ConfigError("--workers", "needs peers.compute: model")
     with _claimed(out, args.force):
         summary = run(setup, out, not args.quiet, args.transport, join())
-    config = setup.config
+    _say(setup.config["name"], summary, out)
+    return 0
+
+
+def _say(name: str, summary: dict, out: Path) -> None:
+    """The one line a finished run prints."""
     comm = summary["comm"]
     print(
-        f"{config['name']}: {summary['algorithm']} on {summary['num_peers']} peers "
+        f"{name}: {summary['algorithm']} on {summary['num_peers']} peers "
         f"({summary['topology']}), final accuracy {summary['final']['accuracy']:.4f}, "
         f"{comm['total_bytes']:,} bytes in {comm['messages']} messages, "
         f"simulated {summary['sim_time_s']:.2f} s, wall {summary['wall_time_s']:.1f} s -> {out}"
     )
+
+
+def cmd_merge(args: argparse.Namespace) -> int:
+    """A real run's nodes ran on several hosts (``p2pfl peer``) and their ``peers/NAME/``
+    directories were copied into RUN_DIR: write the outputs a launcher run has."""
+    from p2pfl.app.config import resolve
+    from p2pfl.app.experiment import build, run
+    from p2pfl.core.yaml_io import read_yaml
+
+    out = output_dir(args.run)
+    peers = out / "peers"
+    configs = sorted(peers.glob("*/config.yaml")) if peers.is_dir() else []
+    if not configs:
+        raise ConfigError(
+            "RUN_DIR", f"no peers/NAME/config.yaml in {out}: copy every node's peers/NAME/ there"
+        )
+    config = read_yaml(configs[0], "node configuration")
+    for other in configs[1:]:
+        if read_yaml(other, "node configuration") != config:
+            first, second = configs[0].parent.name, other.parent.name
+            raise ConfigError("RUN_DIR", f"nodes {first} and {second} ran different experiments")
+    try:
+        setup = build(resolve(config, configs[0]), "sim")  # CURVE keys stay on their hosts
+    except ConfigError as e:
+        e.file = e.file or str(configs[0])
+        raise
+    names = [setup.topology.name(n) for n in sorted(setup.topology.graph.nodes)]
+    missing = [n for n in names if not (peers / n / "result.json").is_file()]
+    if missing:
+        shown = ", ".join(missing[:5]) + (", ..." if len(missing) > 5 else "")
+        raise ConfigError("RUN_DIR", f"no peers/NAME/result.json for node(s) {shown} in {out}")
+    merged = sorted(p.name for p in out.iterdir() if p.name not in ("peers", LOCK))
+    if merged and not args.force:
+        raise ConfigError(
+            "RUN_DIR", f"{out} already holds {merged[0]}; pass --force to merge it again"
+        )
+    with _locked(out):
+        _empty(out, keep=("peers",))
+        summary = run(setup, out, transport="zmq", gathered=True)
+    _say(setup.config["name"], summary, out)
     return 0
 
 
@@ -410,6 +461,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         commands = {
             "run": cmd_run, "peer": cmd_peer, "keys": cmd_keys, "cost": cmd_cost, "plot": cmd_plot,
+            "merge": cmd_merge,
         }  # fmt: skip
         return commands[args.command](args)
     except ConfigError as e:

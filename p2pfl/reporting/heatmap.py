@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 
 ANNOTATE_MAX_CELLS = 400  # beyond this many cells the values are not written in
+LABEL_MAX = 60  # beyond this many rows (columns) the figure stops growing and ticks thin out
 
 
 def save_heatmap(
@@ -20,13 +21,20 @@ def save_heatmap(
 ) -> None:
     """A heat-map PNG of ``matrix`` with a colour bar; values written in when it is small."""
     from matplotlib.figure import Figure  # renders with Agg, no pyplot state
+    from matplotlib.ticker import MaxNLocator
 
     rows, cols = matrix.shape
-    fig = Figure(figsize=(1.5 + 0.5 * cols, 1.2 + 0.4 * rows), layout="constrained")
+    size = (1.5 + 0.5 * min(cols, LABEL_MAX), 1.2 + 0.4 * min(rows, LABEL_MAX))
+    fig = Figure(figsize=size, layout="constrained")  # 1,000 peers: not 40,000 pixels tall
     ax = fig.add_subplot()
-    image = ax.imshow(matrix, cmap="viridis", aspect="auto")
+    image = ax.imshow(matrix, cmap="viridis", aspect="auto", interpolation="nearest")
     fig.colorbar(image, ax=ax, label=colorbar)
-    ax.set(title=title, xlabel=xlabel, ylabel=ylabel, xticks=range(cols), yticks=range(rows))
+    ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
+    for axis, n in ((ax.xaxis, cols), (ax.yaxis, rows)):
+        if n <= LABEL_MAX:
+            axis.set_ticks(range(n))
+        else:
+            axis.set_major_locator(MaxNLocator(nbins=20, integer=True))
     if matrix.size <= ANNOTATE_MAX_CELLS:
         threshold = (matrix.max() + matrix.min()) / 2
         integer = np.issubdtype(matrix.dtype, np.integer)

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import yaml
 import zmq
 
 from p2pfl.core.errors import ConfigError, RunError
@@ -96,6 +97,7 @@ def run_peer(
     name = setup.topology.name(node)
     mine = out / "peers" / name
     mine.mkdir(parents=True, exist_ok=True)
+    (mine / "config.yaml").write_text(yaml.safe_dump(setup.config, sort_keys=False))  # to merge
     metrics, ledger = CsvReporter(mine), Ledger(mine / "comm.csv", setup.network is not None)
     worker = Worker(
         setup.trainer, setup.data, setup.train, setup.population, setup.topology, setup.seed,
@@ -109,6 +111,7 @@ def run_peer(
     if coordinator:
         die_with_launcher()
     warm_up()
+    started = time.monotonic()
     try:
         if coordinator:
             addresses = _handshake(zn, coordinator, transport)
@@ -130,7 +133,10 @@ def run_peer(
         sys.stderr.flush()
         return 1
     finally:
-        result |= {"rejected_frames": zn.rejected, "compute_wall_s": setup.trainer.busy_s}
+        result |= {
+            "rejected_frames": zn.rejected, "compute_wall_s": setup.trainer.busy_s,
+            "elapsed_s": time.monotonic() - started,
+        }  # fmt: skip
         (mine / "result.json").write_text(json.dumps(result, indent=2) + "\n")
         metrics.close()
         ledger.close()
@@ -216,6 +222,22 @@ def launch(setup: Setup, out: Path, config_file: Path, reporters: Reporter) -> O
         context.term()
         comm = _merge(out, nodes, setup, reporters)
     return Outcome(*_collect(out, nodes, setup), time.monotonic() - start, comm)
+
+
+def gather(setup: Setup, out: Path, reporters: Reporter) -> Outcome:
+    """The outcome of a run whose nodes ran elsewhere (``p2pfl peer`` on several hosts),
+    their ``peers/NAME/`` directories copied into ``out``: merged as the launcher merges its
+    own. Its elapsed time is the longest node's, from its start to its end."""
+    nodes = sorted(setup.topology.graph.nodes)
+    results = {}
+    for n in nodes:
+        name = setup.topology.name(n)
+        results[n] = json.loads((out / "peers" / name / "result.json").read_text())
+        if results[n]["status"] == "failed":
+            raise RunError(f"peer {name} failed: {results[n].get('error', 'no reason given')}")
+    comm = _merge(out, nodes, setup, reporters)
+    elapsed = max(float(r.get("elapsed_s", 0.0)) for r in results.values())
+    return Outcome(*_collect(out, nodes, setup), elapsed, comm)
 
 
 def _gather_hellos(ctl, procs, out: Path, setup: Setup, transport: TransportConfig):
