@@ -141,3 +141,14 @@ def test_a_run_that_cannot_be_spread_is_one_error_line(tmp_path, capsys, argv, s
     err = capsys.readouterr().err
     assert code == 2 and err.startswith(f"error: {message}") and len(err.splitlines()) == 1, err
     assert not out.exists()
+
+
+@pytest.mark.parametrize("env", [{"WORLD_SIZE": "two", "RANK": "0"}, {"RANK": "1.5"}])
+def test_a_malformed_torchrun_environment_is_one_error_line(tmp_path, capsys, monkeypatch, env):
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    out = tmp_path / "out"
+    code = main(["run", str(exp_file(tmp_path, **RING)), "--out", str(out)])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("error: WORLD_SIZE, RANK: must be integers"), err
+    assert len(err.splitlines()) == 1 and not out.exists()

@@ -210,7 +210,8 @@ def _empty(out: Path, keep: tuple[str, ...] = ()) -> None:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and int(os.environ.get("RANK", "0")) > 0:
+    world, rank = _world()
+    if world > 1 and rank > 0:
         return _helper_rank(args)
     with _ranks(args) as join:  # the other ranks start, import and load while this one does
         return _run(args, join)
@@ -292,13 +293,24 @@ def cmd_merge(args: argparse.Namespace) -> int:
     return 0
 
 
+MAX_WORKERS = 1024
+
+
+def _world() -> tuple[int, int]:
+    """``(WORLD_SIZE, RANK)`` as ``torchrun`` sets them; ``(1, 0)`` for one process."""
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    except ValueError:
+        raise ConfigError("WORLD_SIZE, RANK", "must be integers (torchrun sets them)") from None
+
+
 def _check_workers(args: argparse.Namespace, sweep: bool) -> bool:
     """Whether this run is spread over ranks (``--workers``, or started by ``torchrun``)."""
-    if not 1 <= args.workers <= 1024:
-        raise ConfigError("--workers", f"must be in 1..1024, got {args.workers}")
+    if not 1 <= args.workers <= MAX_WORKERS:
+        raise ConfigError("--workers", f"must be in 1..{MAX_WORKERS}, got {args.workers}")
     from p2pfl.runtime.children import LAUNCHER_PID
 
-    under_torchrun = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    under_torchrun = _world()[0] > 1
     if args.workers > 1 and under_torchrun and LAUNCHER_PID not in os.environ:
         raise ConfigError("--workers", "torchrun already starts the ranks; leave --workers out")
     spread = args.workers > 1 or under_torchrun
@@ -316,7 +328,7 @@ def _ranks(args: argparse.Namespace) -> Iterator[Callable[[], Ranks | None]]:
     passed every check; wait for them at the end, stop them on error."""
     from p2pfl.runtime.children import Workers  # no torch yet: the ranks start at once
 
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 and not 1 < args.workers <= 1024:
+    if _world()[0] <= 1 and not 1 < args.workers <= MAX_WORKERS:
         yield lambda: None
         return
     workers = None

@@ -268,16 +268,14 @@ def _results(
                 metrics.log(now, last_round, "final", f"match_{against}/{layer}", ratio)
     per_peer = []
     if setup.eval.per_peer:
-        states = [finals[p].state if p in finals else None for p in setup.topology.peers]
-        scored = [
-            (p, s) for p, s in zip(setup.topology.peers, states, strict=True) if s is not None
-        ]
+        peers = setup.topology.peers
+        scored = [(p, s) for p in peers if p in finals and (s := finals[p].state) is not None]
         if ranks is None:
             accs = [score(s)[0] for _, s in scored]
         else:
             accs = [a[0] for a in ranks.spread(len(scored), 1, lambda i: score(scored[i][1])[:1])]
         acc_of = dict(zip([p for p, _ in scored], accs, strict=True))
-        per_peer = [{"peer": p, "accuracy": acc_of.get(p)} for p in setup.topology.peers]
+        per_peer = [{"peer": p, "accuracy": acc_of.get(p)} for p in peers]
     if setup.adversary is not None:
         bad = set(setup.adversary.peers)
         honest = [
