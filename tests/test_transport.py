@@ -369,3 +369,18 @@ def test_a_multi_host_run_merged_has_the_outputs_of_a_launcher_run(tmp_path, cap
     assert "different experiments" in capsys.readouterr().err
     assert main(["merge", str(tmp_path / "nowhere")]) == 2
     assert "no peers/NAME/config.yaml" in capsys.readouterr().err
+    # a spoilt node file: one line naming it (a result before anything is written)
+    config.write_text((merged / "peers" / "2" / "config.yaml").read_text())
+    result = merged / "peers" / "1" / "result.json"
+    kept = result.read_text()
+    for garbage in ("garbage{", "[]", '{"status": "ok"}'):
+        result.write_text(garbage)
+        assert main(["merge", str(merged), "--force"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "peers/1/result.json: not a node's result" in err, err
+    result.write_text(kept)
+    (merged / "peers" / "1" / "final.bin").write_bytes(b"not a frame" * 10)
+    assert main(["merge", str(merged), "--force"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "peers/1/final.bin: not a model frame" in err, err
+    assert json.loads((merged / "summary.json").read_text())["status"] == "failed"

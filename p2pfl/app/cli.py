@@ -258,6 +258,7 @@ def cmd_merge(args: argparse.Namespace) -> int:
     from p2pfl.app.config import resolve
     from p2pfl.app.experiment import build, run
     from p2pfl.core.yaml_io import read_yaml
+    from p2pfl.runtime.launcher import read_result
 
     out = output_dir(args.run)
     peers = out / "peers"
@@ -281,6 +282,11 @@ def cmd_merge(args: argparse.Namespace) -> int:
     if missing:
         shown = ", ".join(missing[:5]) + (", ..." if len(missing) > 5 else "")
         raise ConfigError("RUN_DIR", f"no peers/NAME/result.json for node(s) {shown} in {out}")
+    for n in names:
+        try:
+            read_result(peers / n)
+        except RunError as e:
+            raise ConfigError("RUN_DIR", str(e)) from None
     merged = sorted(p.name for p in out.iterdir() if p.name not in ("peers", LOCK))
     if merged and not args.force:
         raise ConfigError(

@@ -37,7 +37,7 @@ from p2pfl.methods.effects import Finish
 from p2pfl.network.codecs import from_section
 from p2pfl.network.ledger import Ledger
 from p2pfl.network.message import Message
-from p2pfl.network.wire import decode, encode
+from p2pfl.network.wire import WireError, decode, encode
 from p2pfl.reporting.reporters import CsvReporter, Reporter
 from p2pfl.runtime.children import LAUNCHER_PID, die_with_launcher
 from p2pfl.runtime.setup import Setup
@@ -232,7 +232,7 @@ def gather(setup: Setup, out: Path, reporters: Reporter) -> Outcome:
     results = {}
     for n in nodes:
         name = setup.topology.name(n)
-        results[n] = json.loads((out / "peers" / name / "result.json").read_text())
+        results[n] = read_result(out / "peers" / name)
         if results[n]["status"] == "failed":
             raise RunError(f"peer {name} failed: {results[n].get('error', 'no reason given')}")
     comm = _merge(out, nodes, setup, reporters)
@@ -329,6 +329,22 @@ def _merge(out: Path, nodes: list[int], setup: Setup, reporters: Reporter) -> di
     return ledger.summary()
 
 
+def read_result(mine: Path) -> dict[str, Any]:
+    """A node's ``result.json`` (in its directory ``mine``); a ``RunError`` naming the file
+    if it is not one a node writes."""
+    path = mine / "result.json"
+    try:
+        result = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise RunError(f"{path}: not a node's result ({e})") from None
+    if not isinstance(result, dict) or result.get("status") not in ("ok", "crashed", "failed"):
+        raise RunError(f"{path}: not a node's result (no status ok, crashed or failed)")
+    finished = isinstance(result.get("output"), bool) and isinstance(result.get("baselines"), dict)
+    if result["status"] != "failed" and not finished:
+        raise RunError(f"{path}: not a node's result (no output or baselines)")
+    return result
+
+
 def _collect(out: Path, nodes: list[int], setup: Setup) -> tuple[dict[int, Finish], dict]:
     """Every node's final model and reports, read back from its ``peers/NAME/`` files."""
     finals: dict[int, Finish] = {}
@@ -337,10 +353,13 @@ def _collect(out: Path, nodes: list[int], setup: Setup) -> tuple[dict[int, Finis
         mine = out / "peers" / setup.topology.name(n)
         if not (mine / "result.json").is_file():  # killed by its crash before it could write
             continue
-        result = json.loads((mine / "result.json").read_text())
+        result = read_result(mine)
         state = None
         if (mine / "final.bin").is_file():
-            state = decode(bytearray((mine / "final.bin").read_bytes())).tensors
+            try:
+                state = decode(bytearray((mine / "final.bin").read_bytes())).tensors
+            except WireError as e:
+                raise RunError(f"{mine / 'final.bin'}: not a model frame ({e})") from None
         finals[n] = Finish(state, result["output"])
         baselines |= result["baselines"]
     return finals, baselines
