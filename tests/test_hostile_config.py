@@ -404,6 +404,11 @@ PEER = [
     (["--peer", "99"], "--peer"),
     (["--peer", "-1"], "--peer"),
     (["--peer", "chief"], "--peer"),
+    (["--peer", "0-99"], "--peer"),
+    (["--peer", "3-1"], "empty range"),
+    (["--peer", "0,1,0"], "named twice"),
+    (["--peer", "0-2,1"], "named twice"),
+    (["--peer", "0,,1"], "--peer"),
     (["--peer", "0", "--addresses", "none.yaml"], "addresses"),
 ]
 

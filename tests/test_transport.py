@@ -51,6 +51,12 @@ SAME_AS_SIM = {
         "algorithm": {"name": "fedavg", "rounds": 2, "aggregator": "krum"},
         "adversary": {"fraction": 0.5, "attack": {"name": "gaussian", "std": 0.05}},
     },
+    "dfedavgm-ring-120": {  # issue 17: a hundred and more forked peers, the same bits
+        "topology": {"kind": "ring"},
+        "peers": {"count": 120},
+        "algorithm": {"name": "dfedavgm", "rounds": 2},
+        "train": {"epochs": 1, "batch_size": 8, "lr": 0.05, "momentum": 0.9},
+    },
     "fedfisher-mesh-compressed": {  # uploads under the int16 codec that Send names
         "topology": {"kind": "mesh"},
         "algorithm": {"name": "fedfisher", "placement": "mesh", "compress": True, "steps": 20},
@@ -124,19 +130,33 @@ def launcher(tmp_path):
         proc.wait()
 
 
-def peer_pids(out: Path) -> dict[str, int]:
-    found = subprocess.run(["pgrep", "-af", "--", f"--out {out}"], capture_output=True, text=True)
+def peer_pids(launcher: int) -> dict[str, int]:
+    """The launcher's peer processes by node name (each shows as ``p2pfl NAME``)."""
+    found = subprocess.run(["pgrep", "-P", str(launcher)], capture_output=True, text=True)
     pids = {}
-    for line in found.stdout.splitlines():
-        pid, *cmd = line.split()
-        if "peer" in cmd:
-            pids[cmd[cmd.index("--peer") + 1]] = int(pid)
+    for pid in map(int, found.stdout.split()):
+        with contextlib.suppress(OSError):
+            comm = Path(f"/proc/{pid}/comm").read_text().split()
+            if comm[0] == "p2pfl":
+                pids[comm[1]] = pid
     return pids
+
+
+def still_running(pids: dict[str, int]) -> list[str]:
+    """The nodes among ``pids`` whose process still runs (a zombie has ended)."""
+    alive = []
+    for name, pid in pids.items():
+        with contextlib.suppress(OSError):
+            stat = Path(f"/proc/{pid}/stat").read_text()
+            state = stat.rpartition(")")[2].split()[0]
+            if stat[stat.index("(") + 1 : stat.rindex(")")] == f"p2pfl {name}" and state != "Z":
+                alive.append(name)
+    return alive
 
 
 def test_killing_a_peer_ends_the_run_with_a_report(launcher):
     proc, out = launcher
-    pids = peer_pids(out)
+    pids = peer_pids(proc.pid)
     assert set(pids) == {"0", "1", "2", "3", "server"}
     os.kill(pids["2"], signal.SIGKILL)
     killed = time.monotonic()
@@ -147,16 +167,29 @@ def test_killing_a_peer_ends_the_run_with_a_report(launcher):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["status"] == "failed" and "peer 2 died" in summary["error"]
     assert len((out / "metrics.csv").read_text().splitlines()) > 4  # what was written stays
-    assert peer_pids(out) == {}
+    assert still_running(pids) == []
 
 
 def test_ctrl_c_stops_every_peer_process(launcher):
     proc, out = launcher
-    assert len(peer_pids(out)) == 5
+    pids = peer_pids(proc.pid)
+    assert len(pids) == 5
     proc.send_signal(signal.SIGINT)
     proc.communicate(timeout=TIMEOUT)
     assert proc.returncode == 130
-    assert peer_pids(out) == {}
+    assert still_running(pids) == []
+
+
+def test_killing_the_launcher_takes_its_peers_with_it(launcher):
+    proc, out = launcher
+    pids = peer_pids(proc.pid)
+    assert len(pids) == 5
+    proc.kill()  # SIGKILL: no handler runs; the peers' parent-death signal ends them
+    proc.wait()
+    deadline = time.monotonic() + 10
+    while still_running(pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert still_running(pids) == []
 
 
 def test_a_peer_whose_neighbour_never_comes_up_times_out(tmp_path):
@@ -315,9 +348,10 @@ def test_every_shipped_experiment_has_a_transport_section_default():
 
 
 def test_a_multi_host_run_merged_has_the_outputs_of_a_launcher_run(tmp_path, capsys):
-    """Nodes started one by one with ``--addresses`` into two "hosts'" directories, copied
-    together and merged: the summary, metrics and ledger a launcher run writes, with the
-    simulation's final and per-peer accuracies and bytes; ``p2pfl plot`` reads it."""
+    """Two "hosts", one ``p2pfl peer`` command each (``--peer 0-1`` and ``--peer 2,3``: one
+    forked process per node), into their own directories, copied together and merged: the
+    summary, metrics and ledger a launcher run writes, with the simulation's final and
+    per-peer accuracies and bytes; ``p2pfl plot`` reads it."""
     from p2pfl.app.cli import main
     from p2pfl.runtime.children import free_port
 
@@ -330,10 +364,10 @@ def test_a_multi_host_run_merged_has_the_outputs_of_a_launcher_run(tmp_path, cap
     cmd = [sys.executable, "-m", "p2pfl", "peer", str(path), "--addresses", str(addresses)]
     hosts = {0: "A", 1: "A", 2: "B", 3: "B"}
     procs = [
-        subprocess.Popen([*cmd, "--peer", str(i), "--out", str(tmp_path / h)], cwd=ROOT)
-        for i, h in hosts.items()
+        subprocess.Popen([*cmd, "--peer", nodes, "--out", str(tmp_path / h)], cwd=ROOT)
+        for nodes, h in (("0-1", "A"), ("2,3", "B"))
     ]
-    assert [p.wait(timeout=300) for p in procs] == [0] * 4
+    assert [p.wait(timeout=300) for p in procs] == [0] * 2
     merged = tmp_path / "merged"
     for i, h in hosts.items():
         shutil.copytree(tmp_path / h / "peers" / str(i), merged / "peers" / str(i))

@@ -69,10 +69,15 @@ def parser() -> argparse.ArgumentParser:
 
     peer = sub.add_parser("peer", help="run one node of a real (ZeroMQ) run, e.g. on another host")
     _experiment_args(peer)
-    peer.add_argument("--peer", required=True, help="node to run: a peer number or 'server'")
-    where = peer.add_mutually_exclusive_group(required=True)
-    where.add_argument("--addresses", help="YAML file mapping node names to tcp://host:port")
-    where.add_argument("--coordinator", help=argparse.SUPPRESS)  # set by run --transport zmq
+    peer.add_argument(
+        "--peer",
+        required=True,
+        help="node(s) to run: peer numbers, ranges and 'server', e.g. 0-49 or server,0,1 "
+        "(several: one process each, forked from this one)",
+    )
+    peer.add_argument(
+        "--addresses", required=True, help="YAML file mapping node names to tcp://host:port"
+    )
     peer.add_argument("--out", required=True, help="output directory (writes peers/NAME/)")
 
     keys = sub.add_parser("keys", help="make CURVE key pairs for transport.curve_keys")
@@ -396,24 +401,22 @@ def _helper_rank(args: argparse.Namespace) -> int:
 
 
 def cmd_peer(args: argparse.Namespace) -> int:
-    from p2pfl.runtime.launcher import node_id, read_addresses, run_peer
+    from p2pfl.runtime.launcher import fork_nodes, node_ids, read_addresses, run_peer, wait_nodes
     from p2pfl.runtime.sockets import TransportConfig, check_curve_keys
 
     setup = _setup(args)
-    node = node_id(setup, args.peer)
-    addresses = read_addresses(Path(args.addresses), setup) if args.addresses else None
+    nodes = node_ids(setup, args.peer)
+    addresses = read_addresses(Path(args.addresses), setup)
     transport = TransportConfig(**setup.config["transport"])
     try:
-        check_curve_keys(transport, setup.topology, [node])
+        check_curve_keys(transport, setup.topology, nodes)
     except ConfigError as e:
         e.file = e.file or args.experiment
         raise
-    code = run_peer(setup, node, output_dir(args.out), addresses, args.coordinator)
-    if args.coordinator:  # a launcher's child, its files written: skip the slow teardown
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-    return code
+    out = output_dir(args.out)
+    if len(nodes) == 1:
+        return run_peer(setup, nodes[0], out, addresses)
+    return wait_nodes(fork_nodes(setup, nodes, out, addresses), setup)
 
 
 def cmd_keys(args: argparse.Namespace) -> int:

@@ -133,13 +133,12 @@ def run(
         if transport == "sim":
             finals, baselines, clock, comm = _simulate(setup, out, progress, reporters, ranks)
         else:
-            if gathered:
-                outcome = gather(setup, out, reporters)
-            else:
-                outcome = launch(setup, out, config_file, reporters)
+            outcome = gather(setup, out, reporters) if gathered else launch(setup, out, reporters)
             finals, baselines, clock, comm = (
                 outcome.finals, outcome.baselines, outcome.elapsed_s, outcome.comm
             )  # fmt: skip
+            if outcome.startup_s is not None:
+                summary["startup_wall_s"] = outcome.startup_s
             if setup.network is not None:
                 save_availability(setup.network, clock, out)
         summary |= _results(setup, finals, clock, reporters, ranks)

@@ -1,22 +1,23 @@
 """Real runs: one OS process per node, talking over ZeroMQ (see :mod:`p2pfl.runtime.sockets`).
 
-``launch`` (behind ``p2pfl run --transport zmq``) starts ``p2pfl peer`` processes on this
-host. Each binds its inbox on a free loopback port and says hello to the launcher with the
-port it got; when all have, the launcher sends everyone the address table and the common
-start time. Each peer writes its own ``peers/NAME/`` files as it goes (metrics, comm,
-``result.json``, ``final.bin``), so a dead peer loses nothing already written. The
-launcher watches the processes: one that dies, or reports a failure, ends the run at once
-(the others are stopped) with a report naming it. Ctrl-C stops every peer process.
+``launch`` (behind ``p2pfl run --transport zmq``) forks one process per node on this host
+from the launcher, which has built the run (torch imported, data loaded, the optimizer's
+lazy imports paid): the nodes share those pages copy-on-write (:class:`Forked`). Each binds
+its inbox on a free loopback port and says hello to the launcher with the port it got; when
+all have, the launcher sends everyone the address table and the common start time. Each
+peer writes its own ``peers/NAME/`` files as it goes (metrics, comm, ``result.json``,
+``final.bin``), so a dead peer loses nothing already written. The launcher watches the
+processes: one that dies, or reports a failure, ends the run at once (the others are
+stopped) with a report naming it. Ctrl-C stops every peer process.
 
 ``run_peer`` is one node's side, used by the launcher's children and by multi-host runs
-(``p2pfl peer EXP --peer ID --addresses FILE``).
+(``p2pfl peer EXP --peer 0-49 --addresses FILE``: there too, one forked process per node).
 """
 
 from __future__ import annotations
 
 import csv
 import json
-import os
 import re
 import signal
 import subprocess
@@ -24,6 +25,7 @@ import sys
 import time
 from collections.abc import Set
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +41,7 @@ from p2pfl.network.ledger import Ledger
 from p2pfl.network.message import Message
 from p2pfl.network.wire import WireError, decode, encode
 from p2pfl.reporting.reporters import CsvReporter, Reporter
-from p2pfl.runtime.children import LAUNCHER_PID, die_with_launcher
+from p2pfl.runtime.children import Forked
 from p2pfl.runtime.setup import Setup
 from p2pfl.runtime.sockets import Crashed, TransportConfig, ZmqNode, model_schema
 from p2pfl.runtime.worker import Worker
@@ -53,6 +55,7 @@ class Outcome:
     baselines: dict[str, float]
     elapsed_s: float
     comm: dict[str, Any]
+    startup_s: float | None = None  # from launch until every node was up (a launcher's run)
 
 
 def node_id(setup: Setup, name: str, key: str = "--peer") -> int:
@@ -64,6 +67,23 @@ def node_id(setup: Setup, name: str, key: str = "--peer") -> int:
         return int(name)
     names = ", ".join(topo.name(n) for n in sorted(topo.graph.nodes))
     raise ConfigError(key, f"no node {name!r} in this topology; nodes are: {names}")
+
+
+def node_ids(setup: Setup, spec: str) -> list[int]:
+    """``--peer``: node names and ranges, e.g. ``server,0-49`` -> node ids, each once."""
+    nodes: list[int] = []
+    for part in spec.split(","):
+        first, dash, last = part.strip().partition("-")
+        if dash and first.isdigit() and last.isdigit():
+            lo, hi = node_id(setup, first), node_id(setup, last)
+            if lo > hi:
+                raise ConfigError("--peer", f"empty range {part.strip()!r}")
+            nodes += range(lo, hi + 1)
+        else:
+            nodes.append(node_id(setup, part.strip()))
+    if len(set(nodes)) != len(nodes):
+        raise ConfigError("--peer", f"a node is named twice in {spec!r}")
+    return nodes
 
 
 def read_addresses(path: Path, setup: Setup) -> dict[int, str]:
@@ -108,8 +128,6 @@ def run_peer(
         setup.network, model_schema(setup.trainer.module(torch.device("cpu"))),
     )  # fmt: skip
     result: dict[str, Any] = {"node": name, "status": "failed"}
-    if coordinator:
-        die_with_launcher()
     warm_up()
     started = time.monotonic()
     try:
@@ -141,6 +159,42 @@ def run_peer(
         metrics.close()
         ledger.close()
         zn.close(abort=result["status"] == "failed")
+
+
+def fork_nodes(
+    setup: Setup,
+    nodes: list[int],
+    out: Path,
+    addresses: dict[int, str] | None = None,
+    coordinator: str | None = None,
+) -> dict[int, Forked]:
+    """One process per node of ``nodes``, forked from this one (which has built ``setup``),
+    each running :func:`run_peer` with one torch thread, as ``p2pfl NAME`` in ``ps``."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # set before forking: no child inherits a pool it cannot use
+    try:
+        return {
+            n: Forked(
+                partial(run_peer, setup, n, out, addresses, coordinator),
+                f"p2pfl {setup.topology.name(n)}",
+            )
+            for n in nodes
+        }
+    finally:
+        torch.set_num_threads(threads)
+
+
+def wait_nodes(procs: dict[int, Forked], setup: Setup) -> int:
+    """Wait for every forked node (``p2pfl peer`` with several); 1 if any failed, naming it
+    (a failed node has already said why). Ctrl-C or SIGTERM stops them all."""
+    try:
+        codes = {n: p.wait() for n, p in procs.items()}
+    finally:
+        _stop(procs)
+    failed = [setup.topology.name(n) for n, code in codes.items() if code != 0]
+    if failed:
+        raise RunError(f"node(s) {', '.join(failed)} failed")
+    return 0
 
 
 STOP_GRACE_S = 1.0
@@ -186,7 +240,7 @@ def _start_signal(start: object) -> tuple[float, dict[int, str]]:
     raise RunError(f"malformed start signal from the launcher: {start!r:.200}")
 
 
-def launch(setup: Setup, out: Path, config_file: Path, reporters: Reporter) -> Outcome:
+def launch(setup: Setup, out: Path, reporters: Reporter) -> Outcome:
     """Run every node of ``setup`` as its own process on this host; merge their outputs
     (their metric rows go to ``reporters``, in time order)."""
     transport = TransportConfig(**setup.config["transport"])
@@ -196,16 +250,14 @@ def launch(setup: Setup, out: Path, config_file: Path, reporters: Reporter) -> O
     ctl.bind(f"tcp://{transport.host}:*")
     endpoint = ctl.getsockopt_string(zmq.LAST_ENDPOINT)
     nodes = sorted(setup.topology.graph.nodes)
-    name = setup.topology.name
-    env = os.environ | {"OMP_NUM_THREADS": "1", LAUNCHER_PID: str(os.getpid())}
-    procs: dict[int, subprocess.Popen] = {}
+    procs: dict[int, Forked] = {}
     start = time.monotonic()
+    startup_s = None
     try:
-        for n in nodes:
-            cmd = [sys.executable, "-m", "p2pfl", "peer", str(config_file), "--peer", name(n)]
-            cmd += ["--coordinator", endpoint, "--out", str(out)]
-            procs[n] = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL)
+        warm_up()  # once, here: every node inherits it
+        procs = fork_nodes(setup, nodes, out, coordinator=endpoint)
         addresses = _gather_hellos(ctl, procs, out, setup, transport)
+        startup_s = time.monotonic() - start
         t0 = time.time()
         for ident, _ in addresses.values():
             ctl.send_multipart([ident, json.dumps({"addresses": {
@@ -221,7 +273,7 @@ def launch(setup: Setup, out: Path, config_file: Path, reporters: Reporter) -> O
         ctl.close()
         context.term()
         comm = _merge(out, nodes, setup, reporters)
-    return Outcome(*_collect(out, nodes, setup), time.monotonic() - start, comm)
+    return Outcome(*_collect(out, nodes, setup), time.monotonic() - start, comm, startup_s)
 
 
 def gather(setup: Setup, out: Path, reporters: Reporter) -> Outcome:
@@ -259,7 +311,7 @@ def _gather_hellos(ctl, procs, out: Path, setup: Setup, transport: TransportConf
     return hellos
 
 
-def _crash(procs: dict[int, subprocess.Popen], setup: Setup, t0: float, crashed: set[int]) -> None:
+def _crash(procs: dict[int, Forked], setup: Setup, t0: float, crashed: set[int]) -> None:
     """Kill (SIGKILL) every node whose crash time (``network.crashes``) has come."""
     if setup.network is None:
         return
@@ -271,7 +323,7 @@ def _crash(procs: dict[int, subprocess.Popen], setup: Setup, t0: float, crashed:
 
 
 def _check(
-    procs: dict[int, subprocess.Popen], out: Path, setup: Setup, crashed: Set[int] = frozenset()
+    procs: dict[int, Forked], out: Path, setup: Setup, crashed: Set[int] = frozenset()
 ) -> None:
     """Raise a ``RunError`` naming the first node that failed or died (not of a crash)."""
     for n, p in procs.items():
@@ -287,7 +339,7 @@ def _check(
         raise RunError(f"peer {name} died ({how})")
 
 
-def _stop(procs: dict[int, subprocess.Popen]) -> None:
+def _stop(procs: dict[int, Forked]) -> None:
     """Terminate every peer process still running (SIGTERM, then SIGKILL after
     ``STOP_GRACE_S``: a stopped or hung process gets no longer)."""
     live = [p for p in procs.values() if p.poll() is None]
