@@ -9,7 +9,7 @@ from conftest import experiment, run_experiment
 from p2pfl.app.experiment import build
 from p2pfl.core.seeding import torch_generator
 from p2pfl.learning import batched
-from p2pfl.learning.training import TrainConfig
+from p2pfl.learning.training import Proximal, TrainConfig
 from p2pfl.runtime.worker import Worker
 
 CPU = torch.device("cpu")
@@ -69,9 +69,12 @@ def test_what_runs_batched():
     assert batched.supports(mlp, TrainConfig(momentum=0.9), None)
     assert batched.can_batch(mlp, TrainConfig(optimizer="adam"), None)  # torch.func can ...
     assert not batched.supports(mlp, TrainConfig(optimizer="adam"), None)  # ... on CUDA
-    assert not batched.supports(mlp, TrainConfig(optimizer="sam"), None)
-    assert not batched.supports(mlp, TrainConfig(select="best_val"), None)
-    assert not batched.supports(mlp, TrainConfig(), lambda model, ce: ce * 0)
+    assert not batched.supports(mlp, TrainConfig(optimizer="sam"), None)  # torch.func: CUDA
+    assert batched.can_batch(mlp, TrainConfig(optimizer="sam"), None)
+    assert batched.supports(mlp, TrainConfig(select="best_val"), None)  # the MLP path scores
+    assert not batched.can_batch(mlp, TrainConfig(), lambda model, ce: ce * 0)  # opaque
+    assert batched.can_batch(mlp, TrainConfig(), Proximal({}, 0.1))  # torch.func ...
+    assert not batched.supports(mlp, TrainConfig(), Proximal({}, 0.1))  # ... on CUDA
     lenet = build(experiment(model={"name": "lenet"})).trainer.module(CPU)
     assert batched.mlp_layers(lenet) is None
     assert batched.can_batch(lenet, TrainConfig(), None)  # torch.func can ...
@@ -131,6 +134,79 @@ def test_torch_func_training_equals_the_one_by_one_loop_for_any_model(model, cfg
         assert any(not torch.equal(one[k], init[k]) for k in one)  # it trained
 
 
+MORE_CASES = [  # (model, training, FedProx's mu or None): SAM, the proximal term, best_val
+    (
+        {"name": "mlp", "hidden": [16]},
+        TrainConfig(batch_size=16, optimizer="sam", momentum=0.9),
+        None,
+    ),
+    ({"name": "lenet"}, TrainConfig(batch_size=16, optimizer="sam", weight_decay=1e-3), None),
+    ({"name": "mlp", "hidden": [16]}, TrainConfig(batch_size=16, momentum=0.9), 0.5),
+    ({"name": "lenet"}, TrainConfig(batch_size=16, optimizer="adam", lr=0.005), 0.1),
+    (
+        {"name": "mlp", "hidden": [16]},
+        TrainConfig(epochs=4, batch_size=16, select="best_val"),
+        None,
+    ),
+    (
+        {"name": "lenet"},
+        TrainConfig(epochs=3, batch_size=16, optimizer="sam", select="best_val"),
+        0.1,
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("model", "cfg", "mu"),
+    MORE_CASES,
+    ids=[f"{m['name']}-{c.optimizer}-{c.select}-mu{u}" for m, c, u in MORE_CASES],
+)
+def test_sam_proximal_and_best_val_train_batched_as_in_the_loop(model, cfg, mu):
+    setup = build(
+        experiment(
+            peers={"count": 5},
+            model=model,
+            partition={"name": "dirichlet", "alpha": 0.5, "min_size": 8, "val_fraction": 0.3},
+            dataset={"name": "digits", "subset": 1000},
+        )
+    )
+    peers = setup.data.peers
+    init = setup.trainer.init_state(0)
+    anchors = [{k: v + 0.05 * (p + 1) for k, v in init.items()} for p in range(len(peers))]
+    proximal = [Proximal(a, mu) if mu is not None else None for a in anchors]
+    loop = [
+        setup.trainer.train(init, peers[p], cfg, torch_generator(0, "t", p), CPU, proximal[p])
+        for p in range(len(peers))
+    ]
+    pool = batched.DataPool(peers)
+    jobs = [batched.Job(init, p, torch_generator(0, "t", p), proximal[p]) for p in range(5)]
+    together = batched.train_batched(setup.trainer.module(CPU), pool, jobs, cfg, CPU)
+    for one, other in zip(loop, together, strict=True):
+        assert other.val_accuracy == one.val_accuracy
+        for key, value in one.state.items():
+            torch.testing.assert_close(other.state[key], value, rtol=1e-4, atol=5e-5)
+    if cfg.select == "best_val":
+        assert all(r.val_accuracy > 0 for r in together)
+    else:
+        assert all(r.val_accuracy == -1.0 for r in together)
+
+
+def test_a_loss_that_is_not_finite_is_left_to_the_loop():
+    setup = skewed_setup([8])
+    init = setup.trainer.init_state(0)
+    far = {k: v + 1e30 for k, v in init.items()}  # the proximal term overflows float32
+    jobs = [batched.Job(init, p, torch_generator(0, "t", p), Proximal(far, 1.0)) for p in range(8)]
+    with pytest.raises(batched.NonFinite):
+        batched.train_batched(
+            setup.trainer.module(CPU), batched.DataPool(setup.data.peers), jobs, TrainConfig(), CPU
+        )
+    mixed = [*jobs[:4], batched.Job(init, 4, torch_generator(0, "t", 4))]
+    with pytest.raises(ValueError, match="proximal"):
+        batched.train_batched(
+            setup.trainer.module(CPU), batched.DataPool(setup.data.peers), mixed, TrainConfig(), CPU
+        )
+
+
 SGD = {"epochs": 2, "batch_size": 16, "lr": 0.05, "momentum": 0.9}
 ADAM = {"epochs": 2, "batch_size": 16, "lr": 0.005, "optimizer": "adam"}
 
@@ -141,6 +217,7 @@ ADAM = {"epochs": 2, "batch_size": 16, "lr": 0.005, "optimizer": "adam"}
         ("dfedavgm", {"kind": "ring"}, {}, SGD),
         ("fedavg", {"kind": "star"}, {"link": {"bandwidth_bps": 1e10}}, SGD),
         ("dfedavgm", {"kind": "ring"}, {}, ADAM),  # the torch.func path
+        ("fedprox", {"kind": "star"}, {"link": {"bandwidth_bps": 1e10}}, SGD),  # proximal term
     ],
 )
 def test_batched_runs_match_unbatched_runs(

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from p2pfl.core.errors import ConfigError
 from p2pfl.learning.models import MODELS, Hidden, build_model, forward_flops
 from p2pfl.learning.state import average_states, clone_state, state_bytes
+from p2pfl.learning.training import TrainConfig, optimizer
 
 DIGITS, MNIST, CIFAR = (1, 8, 8), (1, 28, 28), (3, 32, 32)
 
@@ -188,3 +192,45 @@ def test_average_rejects_mismatches(other: dict, weights: list[float] | None) ->
         average_states([{"w": torch.zeros(2)}, other], weights)
     with pytest.raises(ValueError):
         average_states([])
+
+
+OPTIMIZERS = [
+    TrainConfig(lr=0.1),
+    TrainConfig(lr=0.1, momentum=0.9),
+    TrainConfig(lr=0.05, momentum=0.5, weight_decay=1e-2),
+    TrainConfig(optimizer="adam", lr=0.01),
+    TrainConfig(optimizer="adam", lr=0.003, weight_decay=1e-3),
+]
+
+
+@pytest.mark.parametrize(
+    "cfg", OPTIMIZERS, ids=lambda c: f"{c.optimizer}-m{c.momentum}-wd{c.weight_decay}"
+)
+def test_the_cpu_optimizer_is_torch_optim_bit_for_bit(cfg: TrainConfig) -> None:
+    """Local training's CPU optimizer replays torch.optim's single-tensor updates exactly,
+    including a layer that gets no gradient (it stays) and a frozen one."""
+    torch.manual_seed(0)
+    ours = nn.Sequential(nn.Linear(5, 7), nn.ReLU(), nn.Linear(7, 3), nn.Linear(3, 3))
+    ours[0].bias.requires_grad_(False)
+    ref = copy.deepcopy(ours)
+    start = ours[2].weight.detach().clone()
+    params = [[p for p in m.parameters() if p.requires_grad] for m in (ours, ref)]
+    mine = optimizer(params[0], cfg)
+    if cfg.optimizer == "adam":
+        theirs: torch.optim.Optimizer = torch.optim.Adam(
+            params[1], lr=cfg.lr, weight_decay=cfg.weight_decay
+        )
+    else:
+        theirs = torch.optim.SGD(
+            params[1], lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay
+        )
+    for _ in range(6):
+        x, y = torch.randn(8, 5), torch.randint(0, 3, (8,))
+        for model, opt in ((ours, mine), (ref, theirs)):
+            for p in model.parameters():
+                p.grad = None
+            F.cross_entropy(model[2](model[1](model[0](x))), y).backward()  # model[3] unused
+            opt.step()
+    for a, b in zip(ours.parameters(), ref.parameters(), strict=True):
+        assert torch.equal(a, b)
+    assert not torch.equal(ours[2].weight, start)  # it trained

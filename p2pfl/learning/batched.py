@@ -19,8 +19,12 @@ instead: ``vmap`` over the peer axis of ``grad`` of a ``functional_call``, with 
 weight decay) or Adam applied to the stacked weights in place — the same update formulas as
 ``torch.optim``. The hand-written MLP path stays where it is faster (docs/performance.md).
 
-Supported (:func:`supports`): ``select: last`` and no regulariser; SGD for a plain MLP
-(:func:`mlp_layers`), SGD or Adam for any model that :func:`functional` accepts.
+Supported (:func:`can_batch`): SGD for a plain MLP (:func:`mlp_layers`); SGD, Adam or SAM,
+with or without FedProx's proximal term (:class:`Proximal`), for any model that
+:func:`functional` accepts; ``select: last`` or ``best_val`` (each peer's epochs end at its
+own steps; its model is scored on its validation split there, as the loop does). A group
+in which some peer's regularised loss is not finite raises :class:`NonFinite` (the loop
+skips such a step; the caller trains that group one by one).
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ from torch import nn
 from p2pfl.data.federated import PeerData
 from p2pfl.learning.models import Hidden
 from p2pfl.learning.state import State
-from p2pfl.learning.training import Regularizer, TrainConfig, TrainResult, work
+from p2pfl.learning.training import Proximal, Regularizer, TrainConfig, TrainResult, work
 
 MAX_GROUP = 128
 """Peers per batched call: bounds the stacked weights and momenta held at once."""
@@ -73,11 +77,18 @@ class DataPool:
 
 @dataclass
 class Job:
-    """One peer's training: its start state, which peer it is, its batch-order generator."""
+    """One peer's training: its start state, which peer it is, its batch-order generator,
+    its proximal term (FedProx), if any."""
 
     state: State
     peer: int
     generator: torch.Generator
+    proximal: Proximal | None = None
+
+
+class NonFinite(ArithmeticError):
+    """A peer's regularised loss was not finite at some step: the loop skips that step,
+    which a batched step cannot; train the group one by one instead."""
 
 
 def mlp_layers(module: nn.Module) -> list[Layer] | None:
@@ -122,12 +133,15 @@ def functional(module: nn.Module) -> bool:
 
 
 def can_batch(module: nn.Module, cfg: TrainConfig, regularizer: Regularizer | None) -> bool:
-    """Whether :func:`train_batched` can train ``module`` with ``cfg``."""
-    if cfg.select != "last" or regularizer is not None:
+    """Whether :func:`train_batched` can train ``module`` with ``cfg`` and ``regularizer``."""
+    if regularizer is not None and not isinstance(regularizer, Proximal):
         return False
-    if cfg.optimizer == "sgd" and mlp_layers(module) is not None:
-        return True
-    return cfg.optimizer in ("sgd", "adam") and functional(module)
+    return _hand_written(module, cfg, regularizer) or functional(module)
+
+
+def _hand_written(module: nn.Module, cfg: TrainConfig, regularizer: Regularizer | None) -> bool:
+    """Whether the hand-written MLP path trains it: a plain MLP, SGD, no regulariser."""
+    return cfg.optimizer == "sgd" and regularizer is None and mlp_layers(module) is not None
 
 
 def supports(module: nn.Module, cfg: TrainConfig, regularizer: Regularizer | None) -> bool:
@@ -138,9 +152,7 @@ def supports(module: nn.Module, cfg: TrainConfig, regularizer: Regularizer | Non
     replaces a hundred peers' small kernel launches."""
     if not can_batch(module, cfg, regularizer):
         return False
-    if cfg.optimizer == "sgd" and mlp_layers(module) is not None:
-        return True
-    return any(p.is_cuda for p in module.parameters())
+    return _hand_written(module, cfg, regularizer) or any(p.is_cuda for p in module.parameters())
 
 
 def train_batched(
@@ -153,22 +165,29 @@ def train_batched(
 ) -> list[TrainResult]:
     """Train every job's state with ``cfg`` (see :func:`can_batch`); one result per job.
 
-    ``module`` is the architecture's template (only its structure is read). Each result's
-    ``wall_s`` is an equal share of its group's wall time. ``generic`` takes the
-    ``torch.func`` path even for a plain MLP with SGD (to compare the two).
+    ``module`` is the architecture's template (only its structure is read). The jobs all
+    have a proximal term with one ``mu``, or none has. Each result's ``wall_s`` is an equal
+    share of its group's wall time. ``generic`` takes the ``torch.func`` path even for a
+    plain MLP with SGD (to compare the two). Raises :class:`NonFinite` (see there).
     """
-    if not can_batch(module, cfg, None):
+    proximal = jobs[0].proximal
+    if any((j.proximal is None) != (proximal is None) for j in jobs) or (
+        proximal is not None and any(j.proximal and j.proximal.mu != proximal.mu for j in jobs)
+    ):
+        raise ValueError("batched jobs must share their proximal term's mu, or have none")
+    if not can_batch(module, cfg, proximal):
         raise ValueError("this model or optimizer cannot train batched (see can_batch)")
-    layers = mlp_layers(module) if cfg.optimizer == "sgd" and not generic else None
-    step = _MlpStep(layers) if layers is not None else _FuncStep(module)
+    mu = proximal.mu if proximal is not None else 0.0
+    layers = mlp_layers(module) if _hand_written(module, cfg, proximal) and not generic else None
+    step = _MlpStep(layers) if layers is not None else _FuncStep(module, mu)
     results: list[TrainResult] = []
     for i in range(0, len(jobs), MAX_GROUP):
         group = jobs[i : i + MAX_GROUP]
         start = time.perf_counter()
-        states = _train_group(step, pool, group, cfg, device)
+        trained = _train_group(step, module, pool, group, cfg, device)
         share = (time.perf_counter() - start) / len(group)
-        for job, state in zip(group, states, strict=True):
-            results.append(TrainResult(state, -1.0, *work(cfg, pool.peers[job.peer]), share))
+        for job, (state, acc) in zip(group, trained, strict=True):
+            results.append(TrainResult(state, acc, *work(cfg, pool.peers[job.peer]), share))
     return results
 
 
@@ -201,9 +220,15 @@ def batch_plan(
 
 
 def _train_group(
-    step: Step, pool: DataPool, jobs: list[Job], cfg: TrainConfig, device: torch.device
-) -> list[State]:
-    """One batched run over a group of peers; returns their trained CPU states."""
+    step: Step,
+    module: nn.Module,
+    pool: DataPool,
+    jobs: list[Job],
+    cfg: TrainConfig,
+    device: torch.device,
+) -> list[tuple[State, float]]:
+    """One batched run over a group of peers; returns their trained CPU states and their
+    best validation accuracies (``select: best_val``; -1 where none was scored)."""
     order = sorted(range(len(jobs)), key=lambda i: -pool.peers[jobs[i].peer].num_train)
     ranked = [jobs[i] for i in order]
     index, weight, active = batch_plan(pool, ranked, cfg.batch_size, cfg.epochs)
@@ -212,20 +237,74 @@ def _train_group(
     shape = pool.peers[0].train_x.shape[1:]  # one sample's, for models that are not MLPs
     keys = list(ranked[0].state)
     stacked = {k: torch.stack([j.state[k] for j in ranked]).to(device) for k in keys}
+    anchors = [j.proximal.anchor for j in ranked if j.proximal is not None]
+    anchor = None
+    if anchors:
+        names = [name for name, _ in module.named_parameters()]
+        anchor = {k: torch.stack([a[k] for a in anchors]).to(device) for k in names}
     slots = step.slots(cfg)
     moments = {s: {k: torch.zeros_like(v) for k, v in stacked.items()} for s in slots}
+    best = _BestEpoch(module, pool, ranked, cfg, device)
     with torch.no_grad():
         for t, k in enumerate(active):
             idx = index[t, :k]
             params = {name: v[:k] for name, v in stacked.items()}
             opt = {s: {name: v[:k] for name, v in m.items()} for s, m in moments.items()}
             x = x_all[idx].view(k, -1, *shape)
-            step(params, opt, x, y_all[idx], weight[t, :k], cfg, t)
-    trained = [{k: v[i].to("cpu", copy=True) for k, v in stacked.items()} for i in range(len(jobs))]
-    states: list[State] = [{}] * len(jobs)
-    for i, state in zip(order, trained, strict=True):
-        states[i] = state
-    return states
+            near = None if anchor is None else {name: v[:k] for name, v in anchor.items()}
+            step(params, opt, x, y_all[idx], weight[t, :k], cfg, t, near)
+            best.after(t, params)
+    trained = [
+        (best.states[i] or {k: v[i].to("cpu", copy=True) for k, v in stacked.items()}, best.acc[i])
+        for i in range(len(jobs))
+    ]
+    out: list[tuple[State, float]] = [({}, -1.0)] * len(jobs)
+    for i, result in zip(order, trained, strict=True):
+        out[i] = result
+    return out
+
+
+class _BestEpoch:
+    """``select: best_val`` for a batched group: at the end of each of a peer's epochs (its
+    own number of steps), its model is scored on its validation split, and kept if strictly
+    better than its earlier epochs (as :meth:`Trainer.train` does). Idle for ``last``."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        pool: DataPool,
+        ranked: list[Job],
+        cfg: TrainConfig,
+        device: torch.device,
+    ) -> None:
+        self.module, self.device = module, device
+        self.val = [(pool.peers[j.peer].val_x, pool.peers[j.peer].val_y) for j in ranked]
+        self.steps = [math.ceil(pool.peers[j.peer].num_train / cfg.batch_size) for j in ranked]
+        self.on = cfg.select == "best_val"
+        self.acc = [-1.0] * len(ranked)
+        self.states: list[State | None] = [None] * len(ranked)
+
+    def after(self, t: int, params: Tensors) -> None:
+        """Step ``t`` is done for the leading peers that ``params`` holds."""
+        if not self.on:
+            return
+        for i in range(len(next(iter(params.values())))):
+            x, y = self.val[i]
+            if (t + 1) % self.steps[i] or not len(y):
+                continue
+            mine = {k: v[i] for k, v in params.items()}
+            correct = 0
+            for b in range(0, len(y), 2048):  # as Trainer._score batches it
+                out = torch.func.functional_call(
+                    self.module, mine, (x[b : b + 2048].to(self.device),)
+                )
+                correct += int((out.argmax(1) == y[b : b + 2048].to(self.device)).sum())
+            acc = correct / len(y)
+            if acc > self.acc[i]:
+                self.acc[i], self.states[i] = (
+                    acc,
+                    {k: v.to("cpu", copy=True) for k, v in mine.items()},
+                )
 
 
 Tensors = dict[str, torch.Tensor]
@@ -235,10 +314,11 @@ class Step:
     """One optimizer step of every peer in the stack, in place: ``params`` and the
     optimizer's ``state`` (one stack per slot name) are views of the active peers; ``x`` is
     ``[peers, batch, *sample]``, ``weight`` ``[peers, batch]`` (1/batch size, 0 on padding);
-    ``t`` counts the steps before this one."""
+    ``t`` counts the steps before this one; ``anchor``: the proximal term's anchors."""
 
     def slots(self, cfg: TrainConfig) -> tuple[str, ...]:
-        """The optimizer's per-weight state: SGD's momentum buffer, Adam's two moments."""
+        """The optimizer's per-weight state: SGD's (and SAM's) momentum buffer, Adam's two
+        moments."""
         if cfg.optimizer == "adam":
             return ("exp_avg", "exp_avg_sq")
         return ("momentum",) if cfg.momentum else ()
@@ -252,23 +332,50 @@ class Step:
         weight: torch.Tensor,
         cfg: TrainConfig,
         t: int,
+        anchor: Tensors | None = None,
     ) -> None:
         raise NotImplementedError
 
 
 class _FuncStep(Step):
-    """Any :func:`functional` model: per-peer gradients by ``vmap(grad(loss))``."""
+    """Any :func:`functional` model: per-peer gradients by ``vmap(grad(loss))``; with
+    ``mu``, the loss adds :class:`Proximal`'s term towards each peer's anchor."""
 
-    def __init__(self, module: nn.Module) -> None:
-        def loss(p: Tensors, x: torch.Tensor, y: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    def __init__(self, module: nn.Module, mu: float = 0.0) -> None:
+        names = [name for name, _ in module.named_parameters()]
+
+        def loss(p: Tensors, x, y, w) -> torch.Tensor:
             out = torch.func.functional_call(module, p, (x,))
             return (F.cross_entropy(out, y, reduction="none") * w).sum()  # the batch's mean
 
-        self.grads = torch.func.vmap(torch.func.grad(loss))
+        def regularised(p: Tensors, x, y, w, anchor: Tensors) -> torch.Tensor:
+            ce = loss(p, x, y, w)
+            return ce + Proximal(anchor, mu).of({k: p[k] for k in names}, ce)
 
-    def __call__(self, params, state, x, y, weight, cfg, t):  # the types of Step.__call__
+        self.plain = torch.func.vmap(torch.func.grad(loss))
+        self.regularised = torch.func.vmap(torch.func.grad_and_value(regularised))
+
+    def grads(self, params: Tensors, x, y, weight, anchor: Tensors | None, check=True) -> Tensors:
+        """Every peer's gradient; with ``anchor`` and ``check``, :class:`NonFinite` if a
+        peer's loss is not finite (the loop checks the first pass of a step only)."""
         with torch.enable_grad():
-            grads = self.grads(params, x, y, weight)
+            if anchor is None:
+                return self.plain(params, x, y, weight)
+            grads, loss = self.regularised(params, x, y, weight, anchor)
+        if check and not bool(torch.isfinite(loss).all()):
+            raise NonFinite("a regularised loss was not finite")
+        return grads
+
+    def __call__(self, params, state, x, y, weight, cfg, t, anchor=None):  # Step.__call__'s
+        grads = self.grads(params, x, y, weight, anchor)
+        if cfg.optimizer == "sam":  # the gradient at w + rho·g/‖g‖ (training._sam_gradient)
+            norms = torch.stack([g.flatten(1).norm(dim=1) for g in grads.values()], 1)
+            scale = cfg.rho / (norms.norm(dim=1) + 1e-12)
+            shifted = {
+                k: v + grads[k] * scale.view(-1, *[1] * (v.dim() - 1)) if k in grads else v
+                for k, v in params.items()
+            }
+            grads = self.grads(shifted, x, y, weight, anchor, check=False)
         for name, p in params.items():
             if cfg.optimizer == "adam":
                 _adam(p, state["exp_avg"][name], state["exp_avg_sq"][name], grads[name], cfg, t)
@@ -282,7 +389,7 @@ class _MlpStep(Step):
     def __init__(self, layers: list[Layer]) -> None:
         self.layers = layers
 
-    def __call__(self, params, state, x, y, weight, cfg, t):  # the types of Step.__call__
+    def __call__(self, params, state, x, y, weight, cfg, t, anchor=None):  # Step.__call__'s
         _mlp_step(
             self.layers, params, state.get("momentum", {}), x.flatten(2), y, weight, cfg, t == 0
         )

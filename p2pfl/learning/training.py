@@ -7,7 +7,7 @@ as a CPU ``state_dict`` between its turns, and is loaded into the template for a
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -23,6 +23,25 @@ from p2pfl.learning.state import State, clone_state
 
 # Extra loss term: ``regularizer(module, ce)`` is added to the cross-entropy ``ce``.
 Regularizer = Callable[[nn.Module, torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True, eq=False)
+class Proximal:
+    """(mu/2)·‖θ − anchor‖² over the parameters (FedProx's term; Li et al., 2020, Eq. 2):
+    a :data:`Regularizer` that batched training can also apply to stacked weights."""
+
+    anchor: State
+    mu: float
+
+    def __call__(self, module: nn.Module, ce: torch.Tensor) -> torch.Tensor:
+        return self.of(dict(module.named_parameters()), ce)
+
+    def of(self, params: dict[str, torch.Tensor], ce: torch.Tensor) -> torch.Tensor:
+        """The term for ``params`` (a module's named parameters, in their order)."""
+        total = ce.new_zeros(())
+        for name, p in params.items():
+            total = total + (p - self.anchor[name].to(p.device)).pow(2).sum()
+        return 0.5 * self.mu * total
 
 
 @dataclass(frozen=True)
@@ -146,14 +165,7 @@ class Trainer:
         model = self.module(device)
         model.load_state_dict(state)
         params = [p for p in model.parameters() if p.requires_grad]
-        if cfg.optimizer == "adam":
-            opt: torch.optim.Optimizer = torch.optim.Adam(
-                params, lr=cfg.lr, weight_decay=cfg.weight_decay
-            )
-        else:
-            opt = torch.optim.SGD(
-                params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay
-            )
+        opt = optimizer(params, cfg)
         x_all, y_all = data.train_x.to(device), data.train_y.to(device)
         n = len(y_all)
         best_acc, best_state, skipped = -1.0, None, 0
@@ -167,7 +179,8 @@ class Trainer:
                 if regularizer is not None and not torch.isfinite(loss):
                     skipped += 1
                     continue
-                opt.zero_grad(set_to_none=True)
+                for p in params:
+                    p.grad = None
                 loss.backward()
                 if cfg.optimizer == "sam":
                     _sam_gradient(model, params, x, y, regularizer, cfg.rho)
@@ -210,6 +223,68 @@ class Trainer:
     def compute_flops(self, train_samples: int, eval_samples: int) -> float:
         """FLOPs the compute model charges: 3x forward per trained sample, 1x per scored one."""
         return self.forward_flops * (3.0 * train_samples + eval_samples)
+
+
+class _CpuOptimizer:
+    """``torch.optim.SGD`` and ``Adam`` as torch runs them on a CPU (their single-tensor
+    updates: the same operations in the same order, so the same bits), without
+    ``torch.optim``'s per-step Python (hooks, profiler records, its compiler guards) or the
+    lazy import of torch's compiler on first use (2 s and 140 MiB per process). A training
+    of a few milliseconds paid as much again in that machinery (docs/performance.md)."""
+
+    def __init__(self, params: Sequence[torch.Tensor], cfg: TrainConfig) -> None:
+        self.params, self.cfg = params, cfg
+        self.state: list[list[torch.Tensor] | None] = [None] * len(params)
+        self.steps = [0] * len(params)
+
+    @torch.no_grad()
+    def step(self) -> None:
+        cfg = self.cfg
+        for i, p in enumerate(self.params):
+            if p.grad is None:  # as torch.optim: a parameter without a gradient stays
+                continue
+            grad = p.grad
+            if cfg.optimizer == "adam":
+                self._adam(i, p, grad)
+                continue
+            if cfg.weight_decay != 0:
+                grad = grad.add(p, alpha=cfg.weight_decay)
+            if cfg.momentum != 0:
+                if (state := self.state[i]) is None:
+                    self.state[i] = [grad.detach().clone()]
+                    grad = self.state[i][0]  # type: ignore[index]
+                else:
+                    grad = state[0].mul_(cfg.momentum).add_(grad, alpha=1)
+            p.add_(grad, alpha=-cfg.lr)
+
+    def _adam(self, i: int, p: torch.Tensor, grad: torch.Tensor) -> None:
+        """Adam with the default betas and eps, L2 weight decay added to the gradient."""
+        beta1, beta2, eps, cfg = 0.9, 0.999, 1e-8, self.cfg
+        if (state := self.state[i]) is None:
+            zeros = [torch.zeros_like(p, memory_format=torch.preserve_format) for _ in "ms"]
+            state = self.state[i] = zeros
+        exp_avg, exp_avg_sq = state
+        self.steps[i] += 1
+        step = float(self.steps[i])
+        if cfg.weight_decay != 0:
+            grad = grad.add(p, alpha=cfg.weight_decay)
+        exp_avg.lerp_(grad, 1 - beta1)
+        exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        step_size = cfg.lr / (1 - beta1**step)
+        denom = (exp_avg_sq.sqrt() / (1 - beta2**step) ** 0.5).add_(eps)
+        p.addcdiv_(exp_avg, denom, value=-step_size)
+
+
+def optimizer(
+    params: Sequence[torch.Tensor], cfg: TrainConfig
+) -> _CpuOptimizer | torch.optim.Optimizer:
+    """The local optimizer of ``cfg`` (SAM's base is SGD): on a CPU :class:`_CpuOptimizer`;
+    elsewhere ``torch.optim``, whose multi-tensor kernels a GPU needs."""
+    if all(p.device.type == "cpu" for p in params):
+        return _CpuOptimizer(params, cfg)
+    if cfg.optimizer == "adam":
+        return torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
 
 
 def work(cfg: TrainConfig, data: PeerData) -> tuple[int, int]:

@@ -7,25 +7,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-from torch import nn
-
 from p2pfl.core.errors import ConfigError
+from p2pfl.learning.training import Proximal
 from p2pfl.methods.base import METHODS
-from p2pfl.methods.effects import Regularizer, State, Train
+from p2pfl.methods.effects import State, Train
 from p2pfl.methods.fedavg import FedAvg
-
-
-def proximal(anchor: State, mu: float) -> Regularizer:
-    """(mu/2)·‖θ − anchor‖² over the trainable parameters."""
-
-    def term(module: nn.Module, ce: torch.Tensor) -> torch.Tensor:
-        total = ce.new_zeros(())
-        for name, p in module.named_parameters():
-            total = total + (p - anchor[name].to(p.device)).pow(2).sum()
-        return 0.5 * mu * total
-
-    return term
 
 
 @METHODS.register("fedprox")
@@ -41,4 +27,4 @@ class FedProx(FedAvg):
             raise ConfigError("mu", "must be >= 0")
 
     def local_train(self, state: State, round: int) -> Train:
-        return Train(state, round, regularizer=proximal(state, self.mu) if self.mu else None)
+        return Train(state, round, regularizer=Proximal(state, self.mu) if self.mu else None)

@@ -66,7 +66,8 @@ def build_population(
     - ``speed_sigma``: each peer's speed is multiplied by a seeded lognormal(0, sigma) draw.
     - ``slow_fraction`` / ``slow_factor``: that fraction of peers (seeded) is slower by the factor.
     - ``batched``: in simulation, trainings that overlap in simulated time run as one batched
-      computation (MLPs with SGD, ``compute: model``); equal to one by one up to float rounding.
+      computation (``compute: model``; MLPs with SGD, on CUDA any model ``learning.batched``
+      can stack); equal to one by one up to float rounding.
     """
     if not 1 <= count <= MAX_PEERS:
         raise ConfigError("count", f"must be in 1..{MAX_PEERS:,}, got {count:,}")

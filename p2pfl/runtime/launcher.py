@@ -35,6 +35,7 @@ import zmq
 
 from p2pfl.core.errors import ConfigError, RunError
 from p2pfl.core.yaml_io import read_yaml
+from p2pfl.learning.training import optimizer, resolve_device
 from p2pfl.methods.effects import Finish
 from p2pfl.network.codecs import from_section
 from p2pfl.network.ledger import Ledger
@@ -128,7 +129,7 @@ def run_peer(
         setup.network, model_schema(setup.trainer.module(torch.device("cpu"))),
     )  # fmt: skip
     result: dict[str, Any] = {"node": name, "status": "failed"}
-    warm_up()
+    warm_up(setup)
     started = time.monotonic()
     try:
         if coordinator:
@@ -201,14 +202,15 @@ STOP_GRACE_S = 1.0
 """How long a peer process has to exit after SIGTERM before it is killed."""
 
 
-def warm_up() -> None:
-    """Pay torch's one-off costs (its optimizer's lazy imports: over a second, many more when
-    every node starts at once on a few cores) before the run's clock starts, so that they do
-    not eat into a method's deadlines. Touches no random stream."""
-    p = torch.zeros(1, requires_grad=True)
-    opt = torch.optim.SGD([p], lr=0.1, momentum=0.9)
-    p.sum().backward()
-    opt.step()
+def warm_up(setup: Setup) -> None:
+    """Pay torch's one-off costs (autograd's start, and on a GPU its optimizer's lazy imports:
+    over a second, many more when every node starts at once on a few cores) before the run's
+    clock starts, so that they do not eat into a method's deadlines. Touches no random
+    stream."""
+    for device in {resolve_device(p.device) for p in setup.population.profiles}:
+        w = torch.zeros(1, requires_grad=True, device=device)
+        w.sum().backward()
+        optimizer([w], setup.train).step()
 
 
 def _handshake(zn: ZmqNode, coordinator: str, transport: TransportConfig) -> dict[int, str]:
@@ -254,7 +256,7 @@ def launch(setup: Setup, out: Path, reporters: Reporter) -> Outcome:
     start = time.monotonic()
     startup_s = None
     try:
-        warm_up()  # once, here: every node inherits it
+        warm_up(setup)  # once, here: every node inherits it
         procs = fork_nodes(setup, nodes, out, coordinator=endpoint)
         addresses = _gather_hellos(ctl, procs, out, setup, transport)
         startup_s = time.monotonic() - start

@@ -19,7 +19,14 @@ from p2pfl.data.federated import FederatedData
 from p2pfl.learning import batched
 from p2pfl.learning.ensemble import score_ensemble
 from p2pfl.learning.state import State
-from p2pfl.learning.training import TrainConfig, Trainer, TrainResult, resolve_device, work
+from p2pfl.learning.training import (
+    Proximal,
+    TrainConfig,
+    Trainer,
+    TrainResult,
+    resolve_device,
+    work,
+)
 from p2pfl.methods.effects import Artifact, Compute, Effect, Evaluate, Log, Report, Train
 from p2pfl.network.peers import Population
 from p2pfl.network.topology import Topology
@@ -146,24 +153,31 @@ class Worker:
         return self.ranks.exchange(starts, owner, dict(zip(mine, trained, strict=True)))
 
     def _train_share(self, jobs: list[tuple[int, Train]]) -> list[TrainResult]:
-        """Those sharing a config and a device as one batched computation (``peers.batched``),
-        the others one by one."""
-        groups: dict[tuple[TrainConfig, torch.device], list[int]] = {}
+        """Those sharing a config, a device and a proximal term's ``mu`` as one batched
+        computation (``peers.batched``), the others one by one (a group whose loss is not
+        finite somewhere too: see ``batched.NonFinite``)."""
+        groups: dict[tuple[TrainConfig, torch.device, float | None], list[int]] = {}
         for i, (node, eff) in enumerate(jobs):
             if self.population.batched and self._batchable(node, eff):
-                key = (self.train_cfg.with_overrides(eff.overrides), self.device(node))
+                mu = eff.regularizer.mu if isinstance(eff.regularizer, Proximal) else None
+                key = (self.train_cfg.with_overrides(eff.overrides), self.device(node), mu)
                 groups.setdefault(key, []).append(i)
         results: list[TrainResult | None] = [None] * len(jobs)
-        for (cfg, device), members in groups.items():
+        for (cfg, device, _), members in groups.items():
             if len(members) == 1:
                 continue
             batch = []
             for i in members:
                 node, eff = jobs[i]
-                batch.append(batched.Job(eff.state, node, self._train_setup(node, eff)[1]))
-            trained = batched.train_batched(
-                self.trainer.module(device), self.pool(), batch, cfg, device
-            )
+                proximal = eff.regularizer if isinstance(eff.regularizer, Proximal) else None
+                generator = self._train_setup(node, eff)[1]
+                batch.append(batched.Job(eff.state, node, generator, proximal))
+            try:
+                trained = batched.train_batched(
+                    self.trainer.module(device), self.pool(), batch, cfg, device
+                )
+            except batched.NonFinite:
+                continue
             self.trainer.busy_s += sum(r.wall_s for r in trained)
             for i, result in zip(members, trained, strict=True):
                 results[i] = result
