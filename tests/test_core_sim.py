@@ -8,9 +8,11 @@ import numpy as np
 import pytest
 import torch
 
-from p2pfl.core.errors import RunError
+from conftest import experiment
+from p2pfl.app.experiment import build
+from p2pfl.core.errors import ConfigError, RunError
 from p2pfl.core.seeding import derive_seed
-from p2pfl.methods.effects import Finish, Recv, Send
+from p2pfl.methods.effects import Finish, Recv, Send, Wait
 from p2pfl.network.ledger import Ledger
 from p2pfl.network.message import Message
 from p2pfl.network.topology import build_topology
@@ -79,6 +81,61 @@ def test_two_messages_on_one_uplink_queue_one_transfer_apart():
     transfer = 8 * frame_bytes(tensors) / BANDWIDTH
     assert arrivals[0] == pytest.approx(LATENCY + transfer, rel=1e-12)
     assert arrivals[1] - arrivals[0] == pytest.approx(transfer, rel=1e-12)
+
+
+def star_broadcast(uplink: str, sizes: list[int], late: float = 0.0) -> tuple[list, Ledger]:
+    """The server of a 3-peer star sends one message of ``sizes[i]`` floats to peer i, the
+    last one ``late`` seconds after the others; each peer's arrival time, and the ledger."""
+    topo = build_topology(
+        {"kind": "star", "link": {"latency_s": LATENCY, "bandwidth_bps": BANDWIDTH}}, 3, 0
+    )
+    arrivals: list[float] = [0.0] * 3
+
+    def server(sim):
+        for i, n in enumerate(sizes):
+            if i == 2 and late:
+                yield Wait(late)
+            yield Send(i, "model", 1, payload(n))
+        yield Finish(None)
+
+    def peer(i):
+        def behaviour(sim):
+            yield Recv()
+            arrivals[i] = sim.now
+            yield Finish(None)
+
+        return behaviour
+
+    ledger = Ledger()
+    sim = SimRuntime(topo, worker=None, ledger=ledger, uplink=uplink)
+    sim.run({3: server(sim)} | {i: peer(i)(sim) for i in range(3)})
+    return arrivals, ledger
+
+
+def test_a_shared_uplink_splits_its_bandwidth_among_the_transfers_under_way():
+    """Processor sharing, exactly: three equal messages sent at once all land at 3·T + L
+    (FIFO: T, 2T, 3T + L); a lone message takes T + L as on a FIFO uplink; the bytes are the
+    same either way."""
+    fifo, fifo_ledger = star_broadcast("fifo", [50_000] * 3)
+    shared, shared_ledger = star_broadcast("shared", [50_000] * 3)
+    t = 8 * frame_bytes(payload(50_000)) / BANDWIDTH
+    assert fifo == pytest.approx([LATENCY + t, LATENCY + 2 * t, LATENCY + 3 * t], rel=1e-12)
+    assert shared == pytest.approx([LATENCY + 3 * t] * 3, rel=1e-12)
+    assert shared_ledger.summary() == fifo_ledger.summary()
+    # unequal sizes: the small one (a) shares with two, then (b - a) goes at half speed ...
+    a, b = (8 * frame_bytes(payload(n)) / BANDWIDTH for n in (10_000, 40_000))
+    shared, _ = star_broadcast("shared", [10_000, 40_000, 40_000])
+    assert shared[0] == pytest.approx(LATENCY + 3 * a, rel=1e-9)
+    assert shared[1] == shared[2] == pytest.approx(LATENCY + 3 * a + 2 * (b - a), rel=1e-9)
+    # ... and a third transfer that starts at T/2 (a quarter of each of the first two sent)
+    # takes a third from then on: they land at T/2 + 3·(3T/4), it T/4 later, alone
+    shared, _ = star_broadcast("shared", [50_000] * 3, late=t / 2)
+    assert shared == pytest.approx([LATENCY + 11 * t / 4] * 2 + [LATENCY + 3 * t], rel=1e-9)
+
+
+def test_an_unknown_uplink_is_refused_with_its_key():
+    with pytest.raises(ConfigError, match="uplink"):
+        build(experiment(peers={"count": 4, "uplink": "lifo"}))
 
 
 def test_recv_returns_messages_sorted_by_sender_not_arrival():

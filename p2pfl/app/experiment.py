@@ -194,7 +194,9 @@ def _simulate(
         progress, ranks,
     )  # fmt: skip
     compression = from_section(setup.config["compression"])
-    runtime = SimRuntime(setup.topology, worker, ledger, compression, setup.network)
+    runtime = SimRuntime(
+        setup.topology, worker, ledger, compression, setup.network, setup.population.uplink
+    )
     try:
         behaviours = {n: setup.behaviour(ctx) for n, ctx in setup.contexts().items()}
         finals = runtime.run(behaviours)

@@ -37,6 +37,7 @@ class Population:
     compute: Literal["model", "measured"]
     link: Link
     batched: bool = False
+    uplink: Literal["fifo", "shared"] = "fifo"
 
 
 def build_population(
@@ -53,6 +54,7 @@ def build_population(
     slow_fraction: float = 0.0,
     slow_factor: float = 0.1,
     batched: bool = False,
+    uplink: Literal["fifo", "shared"] = "fifo",
 ) -> Population:
     """The population of a run: its keyword arguments are the keys of the ``peers:`` section
     (and of a profile file); each peer's speed is drawn from the run's ``seed``.
@@ -68,6 +70,9 @@ def build_population(
     - ``batched``: in simulation, trainings that overlap in simulated time run as one batched
       computation (``compute: model``; MLPs with SGD, on CUDA any model ``learning.batched``
       can stack); equal to one by one up to float rounding.
+    - ``uplink``: how a peer's messages share its uplink in simulation: ``fifo`` (one at a time,
+      in order) or ``shared`` (those under way share it equally, as TCP flows on a shaped
+      link do; docs/calibration.md).
     """
     if not 1 <= count <= MAX_PEERS:
         raise ConfigError("count", f"must be in 1..{MAX_PEERS:,}, got {count:,}")
@@ -80,6 +85,8 @@ def build_population(
     ):
         if value <= 0:
             raise ConfigError(key, "must be > 0")
+    if uplink not in ("fifo", "shared"):
+        raise ConfigError("uplink", f"must be fifo or shared, got {uplink!r}")
     if speed_sigma < 0:
         raise ConfigError("speed_sigma", "must be >= 0")
     if not 0 <= slow_fraction <= 1:
@@ -93,4 +100,4 @@ def build_population(
     slow = rng.permutation(count)[: round(slow_fraction * count)]
     speeds[slow] *= slow_factor
     profiles = [PeerProfile(device=device, speed=float(s)) for s in speeds]
-    return Population(profiles, flops_per_s, compute, shared_link, batched)
+    return Population(profiles, flops_per_s, compute, shared_link, batched, uplink)

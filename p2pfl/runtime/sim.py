@@ -4,7 +4,9 @@
   the frame's exact size, and what the receiver decodes from it; the frame itself is only
   built when a codec packs the message), queues it on the sender's uplink (one transfer
   at a time, FIFO), holds the uplink for 8·bytes/bandwidth seconds, then the message
-  arrives ``latency_s`` later and is recorded in the ledger.
+  arrives ``latency_s`` later and is recorded in the ledger. With ``peers.uplink: shared``
+  the transfers under way on an uplink share it equally instead (processor sharing: each
+  moves at its link's bandwidth / their number), as TCP flows leaving one shaped link do.
 - ``Recv`` blocks until enough matching messages are in the node's mailbox; arrivals are
   counted against the waiting ``Recv``, so a node wakes once, when it has them all.
 - ``Train`` and ``Compute`` advance the node's clock by their modelled (or measured) time.
@@ -68,8 +70,10 @@ class SimRuntime:
         ledger: Ledger,
         compression: Compression | None = None,
         network: Network | None = None,
+        uplink: str = "fifo",
     ) -> None:
         self.env = simpy.Environment()
+        self.shared = uplink == "shared"
         self.network = network
         self.gone: set[int] = set()  # crashed, or offline for good (a trace that ends down)
         self.end = 0.0  # when the last node ended or the last message landed
@@ -87,6 +91,11 @@ class SimRuntime:
         self.uplink: dict[int, deque[tuple[Message, int, float, Link, bool, float]]] = {
             n: deque() for n in nodes
         }
+        # with a shared uplink: each one's bits still to send, per transfer under way (in the
+        # order of the uplink queue), when they were counted, and the version of its timer
+        self.left: dict[int, list[float]] = {n: [] for n in nodes}
+        self.counted: dict[int, float] = {n: 0.0 for n in nodes}
+        self.timer: dict[int, int] = {n: 0 for n in nodes}
         self.waiting: dict[int, Recv] = {}
         self.finals: dict[int, Finish] = {}
         self.batcher = TrainBatcher(self.env, worker)
@@ -240,9 +249,57 @@ class SimRuntime:
             link = net.link(src, eff.dst)
             lost, jitter = net.on_send(src, eff.dst)
         queue = self.uplink[src]
+        if self.shared:
+            self._count(src)
+            queue.append((received, size, now, link, lost, jitter))
+            self.left[src].append(8.0 * size)
+            self._next_done(src)
+            return
         queue.append((received, size, now, link, lost, jitter))
         if len(queue) == 1:
             self._transmit(src)
+
+    # A shared uplink: every transfer under way moves at its link's bandwidth / their
+    # number; one timer per uplink, for the next transfer to finish (re-armed, and the old
+    # one ignored, whenever a transfer starts or ends).
+    def _count(self, src: int) -> None:
+        """Take off each transfer's bits sent since they were last counted."""
+        now, left = self.env.now, self.left[src]
+        share = (now - self.counted[src]) / max(len(left), 1)
+        for i, (*_, link, _lost, _jitter) in enumerate(self.uplink[src]):
+            left[i] -= share * link.bandwidth_bps
+        self.counted[src] = now
+
+    def _next_done(self, src: int) -> None:
+        """Arm the uplink's timer for the transfer that will finish first."""
+        self.timer[src] += 1
+        if not self.left[src]:
+            return
+        k, version = len(self.left[src]), self.timer[src]
+        due = min(
+            max(bits, 0.0) * k / item[3].bandwidth_bps
+            for bits, item in zip(self.left[src], self.uplink[src], strict=True)
+        )
+        self.env.timeout(due).callbacks.append(lambda _: self._shared_done(src, version))
+
+    def _shared_done(self, src: int, version: int) -> None:
+        """The uplink's timer: the transfers whose last bit has left arrive ``latency_s`` later."""
+        if version != self.timer[src]:
+            return
+        self._count(src)
+        left, queue = self.left[src], self.uplink[src]
+        done = [i for i, (bits, item) in enumerate(zip(left, queue, strict=True))
+                if bits <= 1e-9 * 8.0 * item[1]]  # fmt: skip
+        for i in done:  # in the order they were sent
+            msg, size, sent, link, lost, jitter = queue[i]
+            arrival = self.env.timeout(link.latency_s + jitter)
+            arrival.callbacks.append(self._landing(msg, size, sent, lost))
+        for i in reversed(done):
+            del queue[i], left[i]
+        self._next_done(src)
+
+    def _landing(self, msg: Message, size: int, sent: float, lost: bool) -> Callable[[Any], None]:
+        return lambda _: self._arrive(msg, size, sent, lost)
 
     # A transfer is two timeouts with callbacks, not a SimPy process per message: the same
     # simulated times (uplink held for transfer_s from the moment it frees, then latency_s),
