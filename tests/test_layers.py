@@ -50,10 +50,12 @@ def test_every_benchmark_imports(path: Path) -> None:
     spec = importlib.util.spec_from_file_location(f"bench_{path.stem}", path)
     assert spec is not None and spec.loader is not None
     sys.path.insert(0, str(path.parent))
+    sys.modules[spec.name] = module = importlib.util.module_from_spec(spec)  # as import does
     try:
-        spec.loader.exec_module(importlib.util.module_from_spec(spec))
+        spec.loader.exec_module(module)
     except ModuleNotFoundError as e:
         if e.name not in OPTIONAL:
             raise
     finally:
         sys.path.remove(str(path.parent))
+        del sys.modules[spec.name]
