@@ -2,12 +2,15 @@
 
 Every node runs in its own network namespace, joined to a bridge (in a namespace of its
 own) by a veth pair; the node's egress is shaped with ``tc tbf`` to the link bandwidth, so
-its egress is its uplink, as in the model. Each case runs one communication pattern twice
-with the same behaviour code: in p2pfl's simulation (``SimRuntime``) and over ZeroMQ
-(``ZmqNode``, one process per namespace). A sender reads the clock just before each
-``Send``; the receiver's ledger gives each message's arrival (all namespaces share the
-host's clock). Per message the script compares the simulated send-to-arrival time with the
-measured one, and per case the simulated end with the measured one (there is no compute).
+its egress is its uplink, as in the model. The shaped queue is one FIFO (``--queue fifo``,
+the default) or fair among the flows with ACKs first (``--queue fair``: an HTB under the
+tbf, standing in for ``fq_codel``, which this kernel lacks). Each case runs one
+communication pattern twice with the same behaviour code: in p2pfl's simulation
+(``SimRuntime``) and over ZeroMQ (``ZmqNode``, one process per namespace). A sender reads
+the clock just before each ``Send``; the receiver's ledger gives each message's arrival
+(all namespaces share the host's clock). Per message the script compares the simulated
+send-to-arrival time with the measured one, and per case the simulated end with the
+measured one (there is no compute).
 
 - ``star``: the server sends a model-sized message to each peer back to back (its uplink is
   shared: contention), then every peer sends one back (parallel uplinks);
@@ -18,10 +21,12 @@ The simulated uplink is either today's ``fifo`` (one transfer at a time, in orde
 reported. Links have the model's latency 0.1 ms (this kernel has no netem: the real latency
 is the veth's own, tens of microseconds). Needs root; every namespace, veth, bridge and
 qdisc it makes is removed when it ends, also on Ctrl-C or SIGTERM (``--cleanup`` removes the
-leftovers of a run that was killed with SIGKILL).
+leftovers of a run that was killed with SIGKILL); without root, or where ``ip``/``tc`` fail,
+it says so in one line and exits with status 2.
 
     python benchmarks/calibrate.py [--quick] [--bandwidths 1 10 100] [--sizes 1 4]
-                                   [--peers 4] [--figure docs/figures/calibration.png]
+                                   [--peers 4] [--queue fifo|fair] [--tcp reno]
+                                   [--figure docs/figures/calibration.png]
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 
@@ -58,6 +64,7 @@ PORT = 5600
 LATENCY_S = 1e-4
 MB = 1_000_000
 QUEUE_BYTES = 16_000_000  # the shaped queue holds whatever TCP sends: no drops
+QUEUES = ("fifo", "fair")
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -123,11 +130,21 @@ def simulate(case: Case, uplink: str, tmp: Path) -> dict[tuple, tuple[float, flo
 # --- the real side: namespaces, shaping, one process per node -----------------------------
 
 
+class SetupError(RuntimeError):
+    """An ``ip``/``tc`` command failed: the links cannot be made here."""
+
+
 def sh(*cmd: str) -> None:
     """Run one ``ip``/``tc`` command; a failure is one clear line."""
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
     if done.returncode:
-        raise RuntimeError(f"{' '.join(cmd)}: {done.stderr.strip()}")
+        raise SetupError(f"{' '.join(cmd)}: {done.stderr.strip()}")
+
+
+def fail(message: str) -> NoReturn:
+    """End with one line on stderr and exit status 2."""
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
 
 
 def namespaces(prefix: str) -> list[str]:
@@ -144,13 +161,17 @@ def cleanup(prefix: str) -> int:
 
 
 class Lab:
-    """``nodes`` namespaces on a bridge, each node's egress shaped to ``mbit``, its TCP
-    congestion control ``tcp`` (``None``: the kernel's default)."""
+    """``nodes`` namespaces on a bridge, each node's egress shaped to ``mbit`` with a ``queue``
+    (``fifo`` or ``fair``, see :meth:`_shape`), its TCP congestion control ``tcp``
+    (``None``: the kernel's default)."""
 
-    def __init__(self, nodes: int, mbit: float, tcp: str | None = None) -> None:
+    def __init__(
+        self, nodes: int, mbit: float, tcp: str | None = None, queue: str = "fifo"
+    ) -> None:
         self.prefix = f"{PREFIX}{os.getpid()}-"
         self.bridge = f"{self.prefix}br"
         self.ns = [f"{self.prefix}{i}" for i in range(nodes)]
+        self.queue = queue
         try:
             self._make(nodes, mbit, tcp)
         except BaseException:
@@ -161,8 +182,6 @@ class Lab:
         sh("ip", "netns", "add", self.bridge)
         sh("ip", "-n", self.bridge, "link", "add", "br0", "type", "bridge")
         sh("ip", "-n", self.bridge, "link", "set", "br0", "up")
-        rate = int(mbit * 1e6)
-        burst = max(3000, rate // 8 // 250)  # 4 ms of traffic, at least two full frames
         for i, ns in enumerate(self.ns):
             sh("ip", "netns", "add", ns)
             sh("ip", "-n", ns, "link", "set", "lo", "up")
@@ -174,8 +193,35 @@ class Lab:
             sh("ip", "-n", self.bridge, "link", "set", f"b{i}", "master", "br0", "up")
             sh("ip", "-n", ns, "addr", "add", f"{self.address(i)}/24", "dev", "eth0")
             sh("ip", "-n", ns, "link", "set", "eth0", "up")
-            sh("tc", "-n", ns, "qdisc", "add", "dev", "eth0", "root", "tbf", "rate",
-               f"{rate}bit", "burst", str(burst), "limit", str(QUEUE_BYTES))  # fmt: skip
+            self._shape(i, nodes, int(mbit * 1e6))
+
+    def _shape(self, i: int, nodes: int, rate: int) -> None:
+        """Shape node ``i``'s egress to ``rate`` bit/s with ``tbf`` over one FIFO queue; with the
+        ``fair`` queue an HTB under the tbf orders the packets (its classes, at 10× the rate,
+        never hold any back): TCP's small packets (ACKs) first, then one class per
+        destination, a frame each in turn. That is per-flow fair queueing as ``fq_codel``,
+        Linux's default qdisc, does it; this kernel has no ``fq_codel``, ``sfq`` or ``fq``."""
+        tc = ("tc", "-n", self.ns[i])
+        burst = max(3000, rate // 8 // 250)  # 4 ms of traffic, at least two full frames
+        sh(*tc, "qdisc", "add", "dev", "eth0", "root", "handle", "1:", "tbf", "rate",
+           f"{rate}bit", "burst", str(burst), "limit", str(QUEUE_BYTES))  # fmt: skip
+        if self.queue == "fifo":
+            return
+        sh(*tc, "qdisc", "add", "dev", "eth0", "parent", "1:1", "handle", "2:", "htb", "default",
+           "1")  # fmt: skip
+        small_tcp = ["ip", "protocol", "6", "0xff", "match", "u16", "0x0000", "0xff80", "at", "2"]
+        flows = {1: (1, None), 2: (0, small_tcp)}  # class: (priority, u32 match); 1: the rest
+        for j in range(nodes):
+            if j != i:
+                flows[100 + j] = (1, ["ip", "dst", f"{self.address(j)}/32"])
+        for minor, (prio, match) in flows.items():
+            sh(*tc, "class", "add", "dev", "eth0", "parent", "2:", "classid", f"2:{minor}", "htb",
+               "rate", f"{10 * rate}bit", "prio", str(prio), "quantum", "1514")  # fmt: skip
+            sh(*tc, "qdisc", "add", "dev", "eth0", "parent", f"2:{minor}", "bfifo", "limit",
+               str(QUEUE_BYTES))  # fmt: skip
+            if match:
+                sh(*tc, "filter", "add", "dev", "eth0", "parent", "2:", "protocol", "ip", "prio",
+                   str(2 - prio), "u32", "match", *match, "flowid", f"2:{minor}")  # fmt: skip
 
     @staticmethod
     def address(i: int) -> str:
@@ -185,12 +231,14 @@ class Lab:
         cleanup(self.prefix)
 
 
-def measure(case: Case, tmp: Path, tcp: str | None = None) -> dict[tuple, tuple[float, float]]:
+def measure(
+    case: Case, tmp: Path, tcp: str | None = None, queue: str = "fifo"
+) -> dict[tuple, tuple[float, float]]:
     """Measured (send, arrival) per message (src, dst, round), on the run's clock."""
     topo = case.topology()
     nodes = sorted(topo.graph.nodes)
     procs: list[subprocess.Popen] = []
-    lab = Lab(len(nodes), case.mbit, tcp)  # removes what it made if it fails
+    lab = Lab(len(nodes), case.mbit, tcp, queue)  # removes what it made if it fails
     try:
         spec = tmp / "spec.json"
         spec.write_text(json.dumps(asdict(case)))
@@ -315,6 +363,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="10 Mbit/s, 1 MB, 3 peers only")
     parser.add_argument("--patterns", nargs="+", default=["star", "ring"], choices=["star", "ring"])
     parser.add_argument("--tcp", help="TCP congestion control in the namespaces (e.g. cubic)")
+    parser.add_argument(
+        "--queue", choices=QUEUES, default="fifo", help="uplink queue: FIFO, or fair, ACKs first"
+    )
     parser.add_argument("--figure", type=Path, default=ROOT / "docs/figures/calibration.png")
     parser.add_argument("--cleanup", action="store_true", help="remove leftovers, then exit")
     parser.add_argument("--replot", type=Path, help="draw the figure from a results file")
@@ -333,7 +384,7 @@ def main() -> None:
         print(f"-> {args.figure}")
         return
     if os.geteuid() != 0:
-        raise SystemExit("error: calibrate needs root (network namespaces and tc)")
+        fail("calibrate needs root (network namespaces and tc)")
     if args.quick:
         args.bandwidths, args.sizes, args.peers = [10], [1], 3
     stop: Callable = lambda signum, frame: (_ for _ in ()).throw(KeyboardInterrupt(signum))  # noqa: E731
@@ -342,7 +393,7 @@ def main() -> None:
     try:
         for case in cases(args):
             with tempfile.TemporaryDirectory(prefix="p2pcal") as tmp:
-                real = measure(case, Path(tmp), args.tcp)
+                real = measure(case, Path(tmp), args.tcp, args.queue)
                 sim = {u: simulate(case, u, Path(tmp)) for u in UPLINKS}
             took = {k: b - a for k, (a, b) in real.items()}
             errors = {u: [took[k] / (s[k][1] - s[k][0]) - 1 for k in took] for u, s in sim.items()}
@@ -359,9 +410,13 @@ def main() -> None:
             print(f"{case}: " + ", ".join(said), flush=True)
     except KeyboardInterrupt:
         raise SystemExit("interrupted: every namespace removed") from None
+    except SetupError as e:
+        fail(str(e))
     finally:
         cleanup(f"{PREFIX}{os.getpid()}-")
-    report("calibrate", COLUMNS, rows, {"cases": per_case, "latency_s": LATENCY_S})
+    extra = {"cases": per_case, "latency_s": LATENCY_S, "queue": args.queue, "tcp": args.tcp}
+    variant = [args.queue] * (args.queue != "fifo") + [args.tcp] * bool(args.tcp)
+    report("_".join(["calibrate", *variant]), COLUMNS, rows, extra)  # calibrate_fair_reno.json
     if per_case:
         figure(per_case, args.figure)
         print(f"-> {args.figure}")
