@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import os
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,12 @@ from p2pfl.app.config import resolve  # noqa: E402
 from p2pfl.app.experiment import build, run  # noqa: E402
 
 torch.set_num_threads(1)
+
+# A suite started in the background by a non-interactive shell (``make test &``, some CI
+# runners) ignores SIGINT, and so would every process it starts: the tests that press
+# Ctrl-C on a run would wait in vain. Caught here, it is back to its default in children.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 ROOT = Path(__file__).resolve().parent.parent
 FMNIST_DIR = Path("/usr/share/datasets/fashion-mnist")
