@@ -143,11 +143,28 @@ def test_a_sweep_resumes_in_its_directory_but_refuses_a_second_sweep_at_once(tmp
 # --- signals -------------------------------------------------------------------------------
 
 
+STARTED: list[subprocess.Popen] = []
+
+
+@pytest.fixture(autouse=True)
+def no_run_left_behind():
+    """A test that fails half-way (a signal that did not stop its run) leaves no run behind:
+    each one it started is killed (its peers die with it)."""
+    yield
+    while STARTED:
+        proc = STARTED.pop()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 def start(path: Path, out: Path, *extra: str) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "p2pfl", "run", str(path), "--out", str(out), "--quiet", *extra]
-    return subprocess.Popen(
+    proc = subprocess.Popen(
         cmd, cwd=ROOT, stderr=subprocess.PIPE, text=True, env=os.environ | {"OMP_NUM_THREADS": "1"}
     )
+    STARTED.append(proc)
+    return proc
 
 
 def wait_for(predicate, timeout: float = 120.0) -> None:
