@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import zlib
 
 import numpy as np
@@ -11,7 +12,7 @@ import torch
 from conftest import experiment
 from p2pfl.app.experiment import build
 from p2pfl.core.errors import ConfigError, RunError
-from p2pfl.core.seeding import derive_seed
+from p2pfl.core.seeding import derive_seed, seed_sequence_state
 from p2pfl.methods.effects import Finish, Recv, Send, Wait
 from p2pfl.network.ledger import Ledger
 from p2pfl.network.message import Message
@@ -181,6 +182,19 @@ def test_sending_to_a_non_neighbour_fails():
     sim = SimRuntime(topo, worker=None, ledger=Ledger())
     with pytest.raises(RunError, match="not its neighbour"):
         sim.run({0: bad(sim)})
+
+
+def test_seed_sequence_state_equals_numpys():
+    """The plain-Python SeedSequence gives numpy's two words for any entropy: short and long
+    lists, zeros, integers of one, two and four 32-bit words."""
+    rng = random.Random(0)
+    cases = [[0], [1], [2**32], [0, 0, 0, 0, 0], [2**63 - 1, 5]]
+    for _ in range(3000):
+        sizes = [0, 1, 2**32 - 1, rng.randrange(2**32), rng.randrange(2**64), rng.randrange(2**128)]
+        cases.append([rng.choice(sizes) for _ in range(rng.randint(1, 7))])
+    for entropy in cases:
+        want = np.random.SeedSequence(entropy).generate_state(2, dtype=np.uint32)
+        assert seed_sequence_state(entropy) == tuple(int(w) for w in want), entropy
 
 
 def test_derive_seed_keeps_the_first_versions_values():

@@ -85,6 +85,7 @@ class SimRuntime:
         nodes = list(topology.graph.nodes)
         self.inbox: dict[int, list[Message]] = {n: [] for n in nodes}
         self.wakeup: dict[int, simpy.Event] = {}
+        self.links: dict[tuple[int, int], Link] = {}  # the topology's, as senders use them
         self.missing: dict[int, int] = {}  # matching messages a waiting node still lacks
         # each sender's uplink: (message, frame size, send time, link, lost on its link,
         # jitter), the head in transfer
@@ -231,17 +232,12 @@ class SimRuntime:
         linked = (
             net.adjacent(src, eff.dst, eff.round, now)
             if net is not None and net.changes_graph
-            else self.topology.graph.has_edge(src, eff.dst)
+            else (src, eff.dst) in self.links or self._link(src, eff.dst)
         )
-        if not linked and (net is None or not net.changes_graph):
-            raise RunError(
-                f"{self.topology.name(src)} sent to {self.topology.name(eff.dst)}, "
-                "which is not its neighbour"
-            )
         msg = Message(eff.kind, src, eff.dst, eff.round, eff.tensors, eff.meta)
         received, size = deliver(msg, choose(self.compression, eff.kind, eff.codec))
         if net is None:
-            link, lost, jitter = self.topology.link(src, eff.dst), False, 0.0
+            link, lost, jitter = self.links[src, eff.dst], False, 0.0
         elif not linked:  # the graph changed under the sender: nothing leaves
             self._record(received, size, now, now, "no_link")
             return
@@ -258,6 +254,17 @@ class SimRuntime:
         queue.append((received, size, now, link, lost, jitter))
         if len(queue) == 1:
             self._transmit(src)
+
+    def _link(self, src: int, dst: int) -> bool:
+        """Look up the topology's link from ``src`` to ``dst`` once (into ``links``); a
+        sender that names a node it has no link to is an error in its method."""
+        if not self.topology.graph.has_edge(src, dst):
+            raise RunError(
+                f"{self.topology.name(src)} sent to {self.topology.name(dst)}, "
+                "which is not its neighbour"
+            )
+        self.links[src, dst] = self.topology.link(src, dst)
+        return True
 
     # A shared uplink: every transfer under way moves at its link's bandwidth / their
     # number; one timer per uplink, for the next transfer to finish (re-armed, and the old
