@@ -40,6 +40,7 @@ class PushGossip(Method):
     its model to one neighbour drawn at random, and merges what it receives by averaging.
     """
 
+    serverless = True  # a graph with a server (a star) is refused before the run
     rounds: int = 10  # its algorithm: keys are its fields
 
     def __post_init__(self) -> None:
@@ -48,10 +49,6 @@ class PushGossip(Method):
 
     def total_rounds(self, num_peers: int) -> int:
         return self.rounds
-
-    def check(self, topology: Topology, seed: int) -> None:
-        if topology.server is not None:
-            raise ConfigError("kind", "push_gossip is serverless; use a ring, mesh or random graph")
 
     def targets(self, topology: Topology, seed: int, round: int) -> dict[int, int]:
         """Who pushes to whom in ``round``: one neighbour per peer, drawn from the round's

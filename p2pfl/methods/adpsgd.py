@@ -64,6 +64,8 @@ def applied(x: State, stale: State, trained: State) -> State:
 class ADPSGD(Method):
     """Asynchronous pairwise averaging between active and passive peers, with stale updates."""
 
+    serverless = True
+
     rounds: int = 20
     reply_timeout_s: float = 1.0
 
@@ -77,10 +79,7 @@ class ADPSGD(Method):
         return self.rounds
 
     def check(self, topology: Topology, seed: int) -> None:
-        if topology.server is not None:
-            raise ConfigError(
-                "kind", f"{self.name} is serverless; use a ring, mesh or random graph"
-            )
+        super().check(topology, seed)
         for i in topology.peers:
             if is_active(i) and not any(not is_active(j) for j in topology.neighbours(i)):
                 raise ConfigError(

@@ -59,11 +59,14 @@ class Method:
     """Base class of a method: a keyword-only dataclass whose fields are its ``algorithm:``
     keys (a subclass lists only the keys it adds), registered with ``@METHODS.register(NAME)``
     (which sets ``name``). It writes ``behaviour`` and ``total_rounds``, may narrow
-    ``topologies`` or override the checks, and gives ``transfers`` for ``p2pfl cost``."""
+    ``topologies``, say it is ``serverless`` or extend the checks, and gives ``transfers``
+    for ``p2pfl cost``."""
 
     name: ClassVar[str]
     #: topology kinds the method runs on; empty means any connected graph.
     topologies: ClassVar[tuple[str, ...]] = ()
+    #: the method has no server: a topology with one (a star) is refused.
+    serverless: ClassVar[bool] = False
 
     def check(self, topology: Topology, seed: int) -> None:
         """Raise ``ConfigError`` (key ``kind``) if the method cannot run on ``topology``."""
@@ -71,6 +74,10 @@ class Method:
             raise ConfigError(
                 "kind",
                 f"{self.name} runs on {' or '.join(self.topologies)}, not on {topology.kind!r}",
+            )
+        if self.serverless and topology.server is not None:
+            raise ConfigError(
+                "kind", f"{self.name} is serverless; use a ring, mesh or random graph"
             )
 
     def check_data(self, model: nn.Module, data: FederatedData) -> None:

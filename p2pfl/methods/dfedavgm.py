@@ -63,6 +63,8 @@ def metropolis_weights(topology: Topology, node: int) -> dict[int, float]:
 class DFedAvgM(Method):
     """Local momentum SGD, then one gossip-averaging step with the neighbours, per round."""
 
+    serverless = True
+
     rounds: int = 20
     wait_s: float | None = None
     mixing: Literal["metropolis", "uniform"] = "metropolis"
@@ -81,12 +83,6 @@ class DFedAvgM(Method):
 
     def total_rounds(self, num_peers: int) -> int:
         return self.rounds
-
-    def check(self, topology: Topology, seed: int) -> None:
-        if topology.server is not None:
-            raise ConfigError(
-                "kind", f"{self.name} is serverless; use a ring, mesh or random graph"
-            )
 
     def transfers(self, plan: Plan) -> Iterator[Transfer]:
         """Round r (phase r): every peer sends its model to each neighbour, Σ_i deg(i)·M per

@@ -46,6 +46,8 @@ from p2pfl.network.topology import Topology
 class FedSeq(Method):
     """Sequential training along a chain of peers (one or more cycles)."""
 
+    serverless = True
+
     cycles: int = 1
     order: Literal["index", "random"] = "index"
     skip_offline: bool = False
@@ -64,10 +66,7 @@ class FedSeq(Method):
         return [int(p) for p in numpy_rng(seed, "chain-order").permutation(peers)]
 
     def check(self, topology: Topology, seed: int) -> None:
-        if topology.server is not None:
-            raise ConfigError(
-                "kind", f"{self.name} is serverless; use a ring or a mesh, not a star"
-            )
+        super().check(topology, seed)
         chain = self.chain(topology.peers, seed)
         hops = list(zip(chain, chain[1:], strict=False))
         if self.cycles > 1:

@@ -40,13 +40,14 @@ from p2pfl.methods.effects import (
     Wait,
 )
 from p2pfl.network.plan import Plan, Transfer
-from p2pfl.network.topology import Topology
 
 
 @METHODS.register("gossip")
 @dataclass(kw_only=True, eq=False)
 class Gossip(Method):
     """Every Δ seconds: merge and train what arrived, push the model to a random neighbour."""
+
+    serverless = True
 
     rounds: int = 20
     period_s: float = 1.0
@@ -60,12 +61,6 @@ class Gossip(Method):
 
     def total_rounds(self, num_peers: int) -> int:
         return self.rounds
-
-    def check(self, topology: Topology, seed: int) -> None:
-        if topology.server is not None:
-            raise ConfigError(
-                "kind", f"{self.name} is serverless; use a ring, mesh or random graph"
-            )
 
     def select_peer(self, online: list[int], seed: int, node: int, period: int) -> int:
         """``selectPeer()``: a neighbour drawn uniformly, seeded by peer and period."""

@@ -39,7 +39,6 @@ from p2pfl.methods.effects import (
     Train,
 )
 from p2pfl.network.plan import Plan, Transfer
-from p2pfl.network.topology import Topology
 
 
 def scaled(state: State, factor: float) -> State:
@@ -57,6 +56,8 @@ def weight_meta(w: float) -> dict[str, str]:
 class PushSum(Method):
     """SGP: local training on x/w, then push-sum mixing along the round's out-edges."""
 
+    serverless = True
+
     rounds: int = 20
     wait_s: float | None = None
 
@@ -68,12 +69,6 @@ class PushSum(Method):
 
     def total_rounds(self, num_peers: int) -> int:
         return self.rounds
-
-    def check(self, topology: Topology, seed: int) -> None:
-        if topology.server is not None:
-            raise ConfigError(
-                "kind", f"{self.name} is serverless; use a ring, mesh or random graph"
-            )
 
     def behaviour(self, ctx: NodeContext) -> Behaviour:
         x, w = ctx.init_state(), 1.0
