@@ -32,9 +32,9 @@ _MIX_L, _MIX_R = 0xCA01F9DD, 0x4973F715
 
 def seed_sequence_state(entropy: list[int]) -> tuple[int, int]:
     """``numpy.random.SeedSequence(entropy).generate_state(2)`` (pool of four 32-bit words,
-    no spawn key), in plain Python: the same two words, in a third of the time of numpy's
-    version once training has pushed numpy out of the CPU's caches (60-100 µs per call
-    inside a run, against 17 µs in a loop), and a run derives one seed per local training.
+    no spawn key), in plain Python: the same two words in about half the time of numpy's
+    inside a run, where training pushes numpy's code out of the CPU's caches (33-49 µs per
+    call against 60-100 µs; 17 µs in a loop), and a run derives one seed per local training.
     ``tests/test_core_sim.py`` checks it against numpy on random entropy."""
     words: list[int] = []
     for n in entropy:  # each integer as 32-bit words, least significant first (0: one word)
