@@ -32,6 +32,7 @@ from __future__ import annotations
 import itertools
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -41,7 +42,14 @@ from torch import nn
 from p2pfl.data.federated import PeerData
 from p2pfl.learning.models import Hidden
 from p2pfl.learning.state import State
-from p2pfl.learning.training import Proximal, Regularizer, TrainConfig, TrainResult, work
+from p2pfl.learning.training import (
+    Proximal,
+    Regularizer,
+    TrainConfig,
+    TrainResult,
+    score,
+    work,
+)
 
 MAX_GROUP = 128
 """Peers per batched call: bounds the stacked weights and momenta held at once."""
@@ -284,6 +292,10 @@ class _BestEpoch:
         self.acc = [-1.0] * len(ranked)
         self.states: list[State | None] = [None] * len(ranked)
 
+    def _forward(self, params: Tensors) -> Callable[[torch.Tensor], torch.Tensor]:
+        """One peer's model as a function of its input: its weights in the template."""
+        return lambda x: torch.func.functional_call(self.module, params, (x,))
+
     def after(self, t: int, params: Tensors) -> None:
         """Step ``t`` is done for the leading peers that ``params`` holds."""
         if not self.on:
@@ -293,13 +305,7 @@ class _BestEpoch:
             if (t + 1) % self.steps[i] or not len(y):
                 continue
             mine = {k: v[i] for k, v in params.items()}
-            correct = 0
-            for b in range(0, len(y), 2048):  # as Trainer._score batches it
-                out = torch.func.functional_call(
-                    self.module, mine, (x[b : b + 2048].to(self.device),)
-                )
-                correct += int((out.argmax(1) == y[b : b + 2048].to(self.device)).sum())
-            acc = correct / len(y)
+            acc, _ = score(self._forward(mine), x, y, self.device)
             if acc > self.acc[i]:
                 self.acc[i], self.states[i] = (
                     acc,

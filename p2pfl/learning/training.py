@@ -207,22 +207,34 @@ class Trainer:
         return result
 
     @staticmethod
-    @torch.no_grad()
     def _score(
-        model: nn.Module, x: torch.Tensor, y: torch.Tensor, device: torch.device, batch: int = 2048
+        model: nn.Module, x: torch.Tensor, y: torch.Tensor, device: torch.device
     ) -> tuple[float, float]:
         model.eval()
-        correct, loss = 0, 0.0
-        for i in range(0, len(y), batch):
-            xb, yb = x[i : i + batch].to(device), y[i : i + batch].to(device)
-            out = model(xb)
-            loss += F.cross_entropy(out, yb, reduction="sum").item()
-            correct += (out.argmax(1) == yb).sum().item()
-        return correct / max(len(y), 1), loss / max(len(y), 1)
+        return score(model, x, y, device)
 
     def compute_flops(self, train_samples: int, eval_samples: int) -> float:
         """FLOPs the compute model charges: 3x forward per trained sample, 1x per scored one."""
         return self.forward_flops * (3.0 * train_samples + eval_samples)
+
+
+@torch.no_grad()
+def score(
+    forward: Callable[[torch.Tensor], torch.Tensor],
+    x: torch.Tensor,
+    y: torch.Tensor,
+    device: torch.device,
+    batch: int = 2048,
+) -> tuple[float, float]:
+    """Accuracy (fraction) and mean cross-entropy of ``forward`` (a model in eval mode, or
+    a functional call of stacked weights) on ``(x, y)``, ``batch`` samples at a time."""
+    correct, loss = 0, 0.0
+    for i in range(0, len(y), batch):
+        xb, yb = x[i : i + batch].to(device), y[i : i + batch].to(device)
+        out = forward(xb)
+        loss += F.cross_entropy(out, yb, reduction="sum").item()
+        correct += int((out.argmax(1) == yb).sum())
+    return correct / max(len(y), 1), loss / max(len(y), 1)
 
 
 class _CpuOptimizer:
