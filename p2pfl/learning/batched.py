@@ -178,11 +178,9 @@ def train_batched(
     share of its group's wall time. ``generic`` takes the ``torch.func`` path even for a
     plain MLP with SGD (to compare the two). Raises :class:`NonFinite` (see there).
     """
-    proximal = jobs[0].proximal
-    if any((j.proximal is None) != (proximal is None) for j in jobs) or (
-        proximal is not None and any(j.proximal and j.proximal.mu != proximal.mu for j in jobs)
-    ):
+    if len({None if j.proximal is None else j.proximal.mu for j in jobs}) > 1:
         raise ValueError("batched jobs must share their proximal term's mu, or have none")
+    proximal = jobs[0].proximal
     if not can_batch(module, cfg, proximal):
         raise ValueError("this model or optimizer cannot train batched (see can_batch)")
     mu = proximal.mu if proximal is not None else 0.0

@@ -229,15 +229,15 @@ class SimRuntime:
 
     def _send(self, src: int, eff: Send) -> None:
         net, now = self.network, self.env.now
-        linked = (
-            net.adjacent(src, eff.dst, eff.round, now)
-            if net is not None and net.changes_graph
-            else (src, eff.dst) in self.links or self._link(src, eff.dst)
-        )
+        if net is not None and net.changes_graph:
+            linked = net.adjacent(src, eff.dst, eff.round, now)
+        else:
+            self._link(src, eff.dst)  # a fixed graph: sending to a non-neighbour is an error
+            linked = True
         msg = Message(eff.kind, src, eff.dst, eff.round, eff.tensors, eff.meta)
         received, size = deliver(msg, choose(self.compression, eff.kind, eff.codec))
         if net is None:
-            link, lost, jitter = self.links[src, eff.dst], False, 0.0
+            link, lost, jitter = self._link(src, eff.dst), False, 0.0
         elif not linked:  # the graph changed under the sender: nothing leaves
             self._record(received, size, now, now, "no_link")
             return
@@ -255,16 +255,19 @@ class SimRuntime:
         if len(queue) == 1:
             self._transmit(src)
 
-    def _link(self, src: int, dst: int) -> bool:
-        """Look up the topology's link from ``src`` to ``dst`` once (into ``links``); a
-        sender that names a node it has no link to is an error in its method."""
-        if not self.topology.graph.has_edge(src, dst):
-            raise RunError(
-                f"{self.topology.name(src)} sent to {self.topology.name(dst)}, "
-                "which is not its neighbour"
-            )
-        self.links[src, dst] = self.topology.link(src, dst)
-        return True
+    def _link(self, src: int, dst: int) -> Link:
+        """The topology's link from ``src`` to ``dst``, looked up in its graph once; a sender
+        that names a node it has no link to is an error in its method."""
+        link = self.links.get((src, dst))
+        if link is None:
+            try:
+                link = self.links[src, dst] = self.topology.link(src, dst)
+            except KeyError:
+                name = self.topology.name
+                raise RunError(
+                    f"{name(src)} sent to {name(dst)}, which is not its neighbour"
+                ) from None
+        return link
 
     # A shared uplink: every transfer under way moves at its link's bandwidth / their
     # number; one timer per uplink, for the next transfer to finish (re-armed, and the old
