@@ -163,6 +163,8 @@ ARGUMENTS = [
     (["--set", "train.lr=*nope"], "train.lr"),
     (["--set", "train.lr=!!python/object/apply:os.system [true]"], "train.lr"),
     (["--transport", "tcp"], "--transport"),
+    (["--set", "peers.uplink=lifo"], "peers.uplink"),
+    (["--set", "peers.uplink=[fifo]"], "peers.uplink"),
     (["--bogus"], "unrecognized"),
 ]
 
