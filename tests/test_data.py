@@ -6,6 +6,8 @@ import csv
 import gzip
 import pickle
 import struct
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -23,7 +25,7 @@ from p2pfl.data import (
     load_dataset,
     make_federated_data,
 )
-from p2pfl.data.datasets import DEBIAN_FASHION_MNIST
+from p2pfl.data.datasets import DEBIAN_FASHION_MNIST, _read_digits
 from p2pfl.reporting.partition import save_partition
 
 # --- writers for the real on-disk formats ------------------------------------------------
@@ -71,6 +73,24 @@ def test_digits_fixed_stratified_split() -> None:
     assert torch.bincount(d.test_y, minlength=10).min() >= 35  # stratified: ~36 per class
     other = load_dataset({"name": "digits"}, seed=7)
     assert torch.equal(d.test_x, other.test_x) and torch.equal(d.train_y, other.train_y)
+
+
+def test_digits_split_is_scikit_learns() -> None:
+    """The stored split is ``train_test_split``'s, in its order, and loading digits
+    leaves scikit-learn unimported (a fresh interpreter: this one may have it already)."""
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    x, y = load_digits(return_X_y=True)
+    x = x.astype(np.uint8).reshape(-1, 1, 8, 8)
+    want = train_test_split(x, y, test_size=360, stratify=y, random_state=0)
+    got = _read_digits()
+    for a, b in zip((want[0], want[2], want[1], want[3]), got, strict=True):
+        assert a.dtype.kind == b.dtype.kind and np.array_equal(a, b)
+    code = "import sys; from p2pfl.data import load_dataset; load_dataset({'name': 'digits'}, 0); "
+    code += "print(sorted(m for m in sys.modules if m.split('.')[0] in ('sklearn', 'scipy')))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]"
 
 
 @pytest.mark.skipif(

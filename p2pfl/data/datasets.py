@@ -4,7 +4,8 @@ Each loader is registered in :data:`DATASETS` and its keyword arguments are the 
 YAML ``dataset:`` section. Loaders read the raw on-disk formats themselves (IDX, the CIFAR
 python pickles, the SVHN ``.mat`` files), laid out as torchvision expects, because
 torchvision's classes insist on the md5 of the official archives and may try to download.
-scikit-learn and scipy are imported only by the loaders that need them (import time).
+scipy is imported only by the loader that needs it (import time); digits reads
+scikit-learn's data file without importing scikit-learn.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import gzip
+import importlib.util
 import math
 import pickle
 import struct
@@ -151,6 +153,8 @@ def _frozen(*arrays: np.ndarray) -> Arrays:
 
 # --- digits ---------------------------------------------------------------------------
 
+DIGITS_TEST = 360  # test samples of the fixed split
+
 
 @DATASETS.register("digits")
 def digits() -> Dataset:
@@ -162,16 +166,23 @@ def digits() -> Dataset:
 
 @functools.cache
 def _read_digits() -> Arrays:
-    from sklearn.datasets import load_digits
-    from sklearn.model_selection import train_test_split
+    """scikit-learn's digits file, read without importing scikit-learn (about 2 s).
 
-    x, y = load_digits(return_X_y=True)
-    x = x.astype(np.uint8).reshape(-1, 1, 8, 8)
-    # random_state is fixed, not the run seed: the test set must never change.
-    train_x, test_x, train_y, test_y = train_test_split(
-        x, y, test_size=360, stratify=y, random_state=0
-    )
-    return _frozen(train_x, train_y.astype(np.int64), test_x, test_y.astype(np.int64))
+    The split is the one ``train_test_split(x, y, test_size=360, stratify=y,
+    random_state=0)`` makes, stored in ``digits_split.npy`` (train order, then test order):
+    the test set must never change, whatever scikit-learn is installed
+    (``tests/test_data.py`` checks the two agree).
+    """
+    spec = importlib.util.find_spec("sklearn")  # a dependency; found without running it
+    assert spec is not None and spec.submodule_search_locations
+    path = Path(spec.submodule_search_locations[0], "datasets", "data", "digits.csv.gz")
+    with gzip.open(path, "rt") as f:
+        data = np.loadtxt(f, delimiter=",")
+    x = data[:, :-1].astype(np.uint8).reshape(-1, 1, 8, 8)
+    y = data[:, -1].astype(np.int64)
+    order = np.load(Path(__file__).with_name("digits_split.npy")).astype(np.int64)
+    train, test = order[:-DIGITS_TEST], order[-DIGITS_TEST:]
+    return _frozen(x[train], y[train], x[test], y[test])
 
 
 # --- IDX: MNIST, Fashion-MNIST ----------------------------------------------------------

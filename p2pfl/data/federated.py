@@ -101,7 +101,8 @@ def make_federated_data(
     labels = dataset.train_y.numpy()
     parts = fn(labels, num_peers, split.rng(seed), **kwargs)
     angles = rotations(name, num_peers, kwargs) or [0.0] * num_peers
-    fill = dataset.train_x.amin(dim=(0, 2, 3)).tolist()  # the darkest value per channel
+    # the darkest value per channel, for rotated corners (a pass over every image: only if used)
+    fill = dataset.train_x.amin(dim=(0, 2, 3)).tolist() if any(angles) else []
 
     peers = []
     for i, (idx, angle) in enumerate(zip(parts, angles, strict=True)):

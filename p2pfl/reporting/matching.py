@@ -22,7 +22,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from scipy.optimize import linear_sum_assignment
 from torch import Tensor, nn
 
 from p2pfl.core.errors import ConfigError
@@ -84,6 +83,8 @@ def unit_activations(model: nn.Module, x: Tensor) -> dict[str, Tensor]:
 def diagonal_ratio(a: Tensor, b: Tensor) -> float:
     """Fraction of units i whose Hungarian match in ``b`` is unit i, for activation
     matrices ``a``, ``b`` of shape [units, samples] (cost: unsquared Euclidean distance)."""
+    from scipy.optimize import linear_sum_assignment  # here: scipy.optimize takes 0.5 s to import
+
     rows, cols = linear_sum_assignment(torch.cdist(a, b).numpy())
     return float(np.mean(rows == cols))
 
