@@ -101,6 +101,24 @@ def test_dfedavgm_on_a_mesh_leaves_every_peer_with_the_same_model(tmp_path):
     assert summary["comm"]["by_kind"]["model"]["messages"] == 2 * 4 * 3
 
 
+def test_a_figure_that_cannot_be_drawn_fails_the_run_after_it(tmp_path, monkeypatch, capfd):
+    """partition.png is drawn by a forked child while the run goes on: the child's failure
+    (here, a drawing function that raises, which the fork inherits) is the run's error,
+    reported once the run's own outputs are written."""
+
+    def broken(data, out):
+        raise OSError("no room for the figure")
+
+    monkeypatch.setattr("p2pfl.app.experiment.save_partition", broken)
+    monkeypatch.setattr("p2pfl.app.experiment._in_process", lambda: False)  # as a command
+    with pytest.raises(RunError, match=r"partition.png: drawing it failed \(exit status 1\)"):
+        run_experiment(tmp_path, peers={"count": 3}, algorithm={"name": "fedavg", "rounds": 1})
+    assert "no room for the figure" in capfd.readouterr().err  # the child's traceback
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["status"] == "ok" and (tmp_path / "comm.csv").stat().st_size > 0
+    assert not (tmp_path / "partition.png").exists()
+
+
 @pytest.mark.parametrize("kind,n", [("ring", 6), ("mesh", 5), ("watts_strogatz", 10)])
 def test_metropolis_weights_are_doubly_stochastic(kind, n):
     topo = build_topology({"kind": kind}, n, 0)

@@ -175,12 +175,20 @@ def wait_for(predicate, timeout: float = 120.0) -> None:
 
 
 def children(pid: int) -> list[int]:
-    """The process ids of ``pid``'s children (Linux /proc)."""
+    """The process ids of ``pid``'s children (Linux /proc), but for the one that may still
+    be drawing ``partition.png``."""
     found: list[int] = []
     for task in Path(f"/proc/{pid}/task").iterdir():
         text = (task / "children").read_text().split()
         found += [int(t) for t in text]
-    return found
+    return [p for p in found if _name(p) != "p2pfl-figure"]
+
+
+def _name(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except FileNotFoundError:  # it ended meanwhile
+        return ""
 
 
 def alive(pid: int) -> bool:

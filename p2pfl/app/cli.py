@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import fcntl
+import gc
 import os
 import shutil
 import signal
@@ -22,7 +23,7 @@ import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 from p2pfl.core.errors import ConfigError, RunError
 
@@ -496,6 +497,15 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def program() -> NoReturn:
+    """The ``p2pfl`` program: :func:`main`, then exit. Everything left is frozen out of the
+    cyclic collector first (every output is closed by now): the interpreter's last full
+    collection would walk every object torch made, about 0.8 s of each command."""
+    code = main()
+    gc.freeze()
+    sys.exit(code)
 
 
 def _terminate(signum: int, frame: object) -> None:

@@ -10,9 +10,12 @@ signal and the ``comm`` totals of what ``comm.csv`` holds).
 from __future__ import annotations
 
 import copy
+import itertools
 import json
 import math
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -37,6 +40,7 @@ from p2pfl.network.topology import Topology, build_topology
 from p2pfl.reporting import matching
 from p2pfl.reporting.partition import save_partition
 from p2pfl.reporting.reporters import Reporter, open_reporters
+from p2pfl.runtime.children import Forked
 from p2pfl.runtime.launcher import gather, launch
 from p2pfl.runtime.ranks import Ranks
 from p2pfl.runtime.setup import EvalConfig, Setup
@@ -123,7 +127,7 @@ def run(
     out.mkdir(parents=True, exist_ok=True)
     config_file = out / "config.yaml"
     config_file.write_text(yaml.safe_dump(setup.config, sort_keys=False))
-    save_partition(setup.data, out)
+    figure = _draw_partition(setup, out, ranks)
     summary = _summary_head(setup) | {"transport": transport}
     start = time.perf_counter()
     clock = 0.0
@@ -162,7 +166,53 @@ def run(
             "compute_wall_s": setup.trainer.busy_s,
         }
         write_json(out / "summary.json", summary)
+        drawn = _wait(figure)
+    if drawn:
+        raise RunError(f"{out / 'partition.png'}: drawing it failed (exit status {drawn})")
     return summary
+
+
+FIGURE_TIMEOUT_S = 300.0
+"""How long a run waits at its end for its partition figure (1,000 peers: under 2 s)."""
+
+
+_FIGURES = itertools.count()
+"""How many partition figures this process was asked for."""
+
+
+def _draw_partition(setup: Setup, out: Path, ranks: Ranks | None) -> Forked | None:
+    """``partition.csv`` and ``partition.png``. A command that runs one experiment draws
+    them in a forked child while the run goes on: importing matplotlib and drawing take
+    1-1.5 s, most of a small run's command. Ranks above 0 write nothing that is kept."""
+    if ranks is not None and ranks.rank > 0:
+        return None
+    if _in_process():
+        save_partition(setup.data, out)
+        return None
+
+    def draw() -> int:
+        save_partition(setup.data, out)
+        return 0
+
+    return Forked(draw, "p2pfl-figure")
+
+
+def _in_process() -> bool:
+    """Whether to draw in this process: matplotlib is imported already, or this process
+    runs several experiments (a sweep) and had better import it once than in each child
+    (a child also makes the run's writes copy-on-write while it lives)."""
+    return "matplotlib.figure" in sys.modules or next(_FIGURES) > 0
+
+
+def _wait(figure: Forked | None) -> int:
+    """The figure child's exit status (0 when there is none); one that hangs is killed."""
+    if figure is None:
+        return 0
+    try:
+        return figure.wait(FIGURE_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        figure.kill()
+        return figure.wait()
 
 
 def strict(value: Any) -> Any:

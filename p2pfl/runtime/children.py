@@ -1,6 +1,7 @@
 """Child processes that never outlive the process that started them (peers of a ZeroMQ
-run, ranks of ``--workers``), whatever kills it. No torch here: ``--workers`` starts its
-ranks before this process has imported it, so that they import and load alongside.
+run, ranks of ``--workers``, the figure a run draws meanwhile), whatever kills it. No torch
+here: ``--workers`` starts its ranks before this process has imported it, so that they
+import and load alongside.
 
 Peers of a ZeroMQ run are :class:`Forked` from a process that has already imported torch and
 loaded the data: they share those pages copy-on-write, so a peer costs tens of megabytes and

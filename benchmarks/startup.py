@@ -1,0 +1,80 @@
+"""What a ``p2pfl run`` command costs besides its run: start-up (imports, data, figure) and exit.
+
+Each case is a whole command as a user types it (one thread), timed from outside; the run's
+own ``wall_time_s`` (from ``summary.json``) is taken off, which leaves what the command adds.
+``--against DIR`` times a second checkout (another commit: ``git worktree add DIR REV``) in
+the same loop, alternating with this one, so the two are measured side by side.
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/startup.py --repeats 3 --against /tmp/base
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from common import report
+
+ROOT = Path(__file__).resolve().parent.parent
+CASES = {
+    "help": ["--help"],
+    "quickstart (digits, 10 peers)": ["run", "experiments/quickstart.yaml"],
+    "fedavg-fmnist, 1 round (Fashion-MNIST, 10 peers)": [
+        "run", "experiments/fedavg-fmnist.yaml", "--set", "algorithm.rounds=1",
+    ],
+}  # fmt: skip
+
+
+def command(checkout: Path, args: list[str]) -> tuple[float, float]:
+    """One command in ``checkout`` (its own ``p2pfl`` package): its wall time, and its
+    run's ``wall_time_s`` (0 for a command that runs nothing)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = ["--out", f"{tmp}/out", "--quiet"] if args[0] == "run" else []
+        start = time.perf_counter()
+        done = subprocess.run(
+            [sys.executable, "-m", "p2pfl", *args, *out], cwd=checkout, capture_output=True,
+            text=True, env=os.environ | {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(checkout)},
+        )  # fmt: skip
+        wall = time.perf_counter() - start
+        if done.returncode:
+            raise SystemExit(f"{checkout}: p2pfl {' '.join(args)} failed:\n{done.stderr[-2000:]}")
+        summary = Path(tmp, "out", "summary.json")
+        run = json.loads(summary.read_text())["wall_time_s"] if summary.exists() else 0.0
+    return wall, run
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--against", type=Path, help="a second checkout, timed alongside")
+    args = parser.parse_args()
+    checkouts = {"this": ROOT} | ({"against": args.against.resolve()} if args.against else {})
+    times: dict[tuple[str, str], list[tuple[float, float]]] = {}
+    load_before = os.getloadavg()
+    for _ in range(args.repeats):
+        for case, cmd in CASES.items():
+            for name, checkout in checkouts.items():
+                times.setdefault((case, name), []).append(command(checkout, cmd))
+    rows = []
+    for (case, name), runs in times.items():
+        wall = statistics.median(w for w, _ in runs)
+        run = statistics.median(r for _, r in runs)
+        this = statistics.median(w for w, _ in times[case, "this"])
+        rows.append([case, name, wall, run, wall - run, wall / this])
+    extra = {
+        "repeats": args.repeats, "against": str(args.against), "load_before": load_before,
+        "load_after": os.getloadavg(),
+    }  # fmt: skip
+    columns = ["case", "checkout", "command_s", "run_s", "added_s", "command_vs_this"]
+    report("startup", columns, rows, extra)
+
+
+if __name__ == "__main__":
+    main()
