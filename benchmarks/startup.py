@@ -1,11 +1,12 @@
 """What a ``p2pfl run`` command costs besides its run: start-up (imports, data, figure) and exit.
 
-Each case is a whole command as a user types it (one thread), timed from outside; the run's
-own ``wall_time_s`` (from ``summary.json``) is taken off, which leaves what the command adds.
+Each case is a whole command as a user types it (one thread unless ``--threads``), timed
+from outside; the run's own ``wall_time_s`` (from ``summary.json``) is taken off, which
+leaves what the command adds.
 ``--against DIR`` times a second checkout (another commit: ``git worktree add DIR REV``) in
 the same loop, alternating with this one, so the two are measured side by side.
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/startup.py --repeats 3 --against /tmp/base
+    .venv/bin/python benchmarks/startup.py [--repeats 3] [--against DIR] [--threads 0]
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ CASES = {
 }  # fmt: skip
 
 
-def command(checkout: Path, args: list[str]) -> tuple[float, float]:
+def command(checkout: Path, args: list[str], threads: int) -> tuple[float, float]:
     """One command in ``checkout`` (its own ``p2pfl`` package): its wall time, and its
     run's ``wall_time_s`` (0 for a command that runs nothing)."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -40,7 +41,7 @@ def command(checkout: Path, args: list[str]) -> tuple[float, float]:
         start = time.perf_counter()
         done = subprocess.run(
             [sys.executable, "-m", "p2pfl", *args, *out], cwd=checkout, capture_output=True,
-            text=True, env=os.environ | {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(checkout)},
+            text=True, env=environment(checkout, threads),
         )  # fmt: skip
         wall = time.perf_counter() - start
         if done.returncode:
@@ -50,10 +51,20 @@ def command(checkout: Path, args: list[str]) -> tuple[float, float]:
     return wall, run
 
 
+def environment(checkout: Path, threads: int) -> dict[str, str]:
+    """The command's environment: ``checkout``'s package first, ``threads`` torch threads
+    (0: torch's default, one per core)."""
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    return (
+        env | {"PYTHONPATH": str(checkout)} | ({"OMP_NUM_THREADS": str(threads)} if threads else {})
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--against", type=Path, help="a second checkout, timed alongside")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (0: one per core)")
     args = parser.parse_args()
     checkouts = {"this": ROOT} | ({"against": args.against.resolve()} if args.against else {})
     times: dict[tuple[str, str], list[tuple[float, float]]] = {}
@@ -61,7 +72,7 @@ def main() -> None:
     for _ in range(args.repeats):
         for case, cmd in CASES.items():
             for name, checkout in checkouts.items():
-                times.setdefault((case, name), []).append(command(checkout, cmd))
+                times.setdefault((case, name), []).append(command(checkout, cmd, args.threads))
     rows = []
     for (case, name), runs in times.items():
         wall = statistics.median(w for w, _ in runs)
@@ -69,7 +80,8 @@ def main() -> None:
         this = statistics.median(w for w, _ in times[case, "this"])
         rows.append([case, name, wall, run, wall - run, wall / this])
     extra = {
-        "repeats": args.repeats, "against": str(args.against), "load_before": load_before,
+        "repeats": args.repeats, "against": str(args.against), "threads": args.threads,
+        "load_before": load_before,
         "load_after": os.getloadavg(),
     }  # fmt: skip
     columns = ["case", "checkout", "command_s", "run_s", "added_s", "command_vs_this"]

@@ -181,16 +181,18 @@ _FIGURES = itertools.count()
 
 
 def _draw_partition(setup: Setup, out: Path, ranks: Ranks | None) -> Forked | None:
-    """``partition.csv`` and ``partition.png``. A command that runs one experiment draws
-    them in a forked child while the run goes on: importing matplotlib and drawing take
-    1-1.5 s, most of a small run's command. Ranks above 0 write nothing that is kept."""
+    """``partition.csv`` and ``partition.png``. A command that runs one experiment in one
+    process draws them in a forked child while the run goes on: importing matplotlib and
+    drawing take 1-1.5 s, most of a small run's command. Ranks (one per core) draw here,
+    before the run; those above 0 write nothing that is kept."""
     if ranks is not None and ranks.rank > 0:
         return None
-    if _in_process():
+    if ranks is not None or _in_process():
         save_partition(setup.data, out)
         return None
 
     def draw() -> int:
+        os.nice(19)  # only the cycles the run leaves idle: its threads keep their cores
         save_partition(setup.data, out)
         return 0
 
