@@ -76,8 +76,10 @@ def test_digits_fixed_stratified_split() -> None:
 
 
 def test_digits_split_is_scikit_learns() -> None:
-    """The stored split is ``train_test_split``'s, in its order, and loading digits
-    leaves scikit-learn unimported (a fresh interpreter: this one may have it already)."""
+    """The stored split is ``train_test_split``'s, in its order (stored from scikit-learn
+    1.9.1: should a later version split otherwise, p2pfl's test set stays, and this test
+    says that they differ), and loading digits leaves scikit-learn unimported (a fresh
+    interpreter: this one may have it already)."""
     from sklearn.datasets import load_digits
     from sklearn.model_selection import train_test_split
 
