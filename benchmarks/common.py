@@ -4,12 +4,35 @@ from __future__ import annotations
 
 import json
 import platform
+import subprocess
+import sys
+import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
 RESULTS = Path(__file__).resolve().parent / "results"
+ROOT = RESULTS.parents[1]
+
+
+def p2pfl_command(
+    args: list[str], env: Mapping[str, str], out: Path | None = None, cwd: Path = ROOT
+) -> tuple[float, dict[str, Any] | None]:
+    """``python -m p2pfl ARGS`` as a user runs it (``--out OUT --quiet`` added when ``out``
+    is given), timed from outside: its wall time and the run's ``summary.json`` (None
+    without ``out``). A command that fails ends the benchmark with its error output."""
+    extra = ["--out", str(out), "--quiet"] if out is not None else []
+    start = time.perf_counter()
+    done = subprocess.run(
+        [sys.executable, "-m", "p2pfl", *args, *extra], cwd=cwd, env=dict(env),
+        capture_output=True, text=True,
+    )  # fmt: skip
+    wall = time.perf_counter() - start
+    if done.returncode:
+        raise SystemExit(f"{cwd}: p2pfl {' '.join(args)} failed:\n{done.stderr[-3000:]}")
+    return wall, None if out is None else json.loads((out / "summary.json").read_text())
 
 
 def machine() -> dict[str, Any]:

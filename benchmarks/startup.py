@@ -12,18 +12,13 @@ the same loop, alternating with this one, so the two are measured side by side.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
-import time
 from pathlib import Path
 
-from common import report
+from common import ROOT, p2pfl_command, report
 
-ROOT = Path(__file__).resolve().parent.parent
 CASES = {
     "help": ["--help"],
     "quickstart (digits, 10 peers)": ["run", "experiments/quickstart.yaml"],
@@ -37,18 +32,9 @@ def command(checkout: Path, args: list[str], threads: int) -> tuple[float, float
     """One command in ``checkout`` (its own ``p2pfl`` package): its wall time, and its
     run's ``wall_time_s`` (0 for a command that runs nothing)."""
     with tempfile.TemporaryDirectory() as tmp:
-        out = ["--out", f"{tmp}/out", "--quiet"] if args[0] == "run" else []
-        start = time.perf_counter()
-        done = subprocess.run(
-            [sys.executable, "-m", "p2pfl", *args, *out], cwd=checkout, capture_output=True,
-            text=True, env=environment(checkout, threads),
-        )  # fmt: skip
-        wall = time.perf_counter() - start
-        if done.returncode:
-            raise SystemExit(f"{checkout}: p2pfl {' '.join(args)} failed:\n{done.stderr[-2000:]}")
-        summary = Path(tmp, "out", "summary.json")
-        run = json.loads(summary.read_text())["wall_time_s"] if summary.exists() else 0.0
-    return wall, run
+        out = Path(tmp, "out") if args[0] == "run" else None
+        wall, summary = p2pfl_command(args, environment(checkout, threads), out, checkout)
+    return wall, summary["wall_time_s"] if summary else 0.0
 
 
 def environment(checkout: Path, threads: int) -> dict[str, str]:

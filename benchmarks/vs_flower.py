@@ -33,7 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import report  # noqa: E402
+from common import p2pfl_command, report  # noqa: E402
 
 from p2pfl.app.config import resolve  # noqa: E402
 from p2pfl.app.experiment import build, run  # noqa: E402
@@ -102,14 +102,9 @@ def p2pfl_workers(config: dict, workers: int) -> tuple[float, float]:
     with tempfile.TemporaryDirectory() as tmp:
         exp = Path(tmp) / "vs_flower.yaml"
         exp.write_text(json.dumps(config))  # JSON is YAML
-        cmd = [sys.executable, "-m", "p2pfl", "run", str(exp), "--out", f"{tmp}/out", "--quiet"]
-        done = subprocess.run(
-            [*cmd, "--workers", str(workers)], capture_output=True, text=True, cwd=HERE.parent,
-            env=os.environ | {"OMP_NUM_THREADS": "1"},
-        )  # fmt: skip
-        if done.returncode:
-            raise SystemExit(f"p2pfl --workers {workers} failed:\n{done.stderr[-3000:]}")
-        summary = json.loads((Path(tmp) / "out" / "summary.json").read_text())
+        args = ["run", str(exp), "--workers", str(workers)]
+        _, summary = p2pfl_command(args, os.environ | {"OMP_NUM_THREADS": "1"}, Path(tmp, "out"))
+    assert summary is not None
     return summary["wall_time_s"], summary["final"]["accuracy"]
 
 

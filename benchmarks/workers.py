@@ -12,22 +12,17 @@ both runs wrote the same ``comm.csv`` and ``metrics.csv``. One thread per rank.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import report  # noqa: E402
-
-ROOT = Path(__file__).resolve().parents[1]
+from common import p2pfl_command, report  # noqa: E402
 
 
 def experiment(peers: int, rounds: int) -> dict:
@@ -47,12 +42,10 @@ def experiment(peers: int, rounds: int) -> dict:
 
 def run(exp: Path, out: Path, workers: int) -> tuple[float, float]:
     """(command wall time, the run's own wall_time_s)."""
-    env = os.environ | {"OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "p2pfl", "run", str(exp), "--out", str(out), "--force"]
-    start = time.perf_counter()
-    subprocess.run([*cmd, "--quiet", "--workers", str(workers)], check=True, env=env, cwd=ROOT)
-    wall = time.perf_counter() - start
-    return wall, json.loads((out / "summary.json").read_text())["wall_time_s"]
+    args = ["run", str(exp), "--force", "--workers", str(workers)]
+    wall, summary = p2pfl_command(args, os.environ | {"OMP_NUM_THREADS": "1"}, out)
+    assert summary is not None
+    return wall, summary["wall_time_s"]
 
 
 def main() -> None:
