@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import signal
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -57,3 +59,15 @@ def run_experiment(out: Path, **sections: dict[str, Any] | int | str) -> dict[st
 needs_fmnist = pytest.mark.skipif(
     not FMNIST_DIR.is_dir(), reason="Debian package dataset-fashion-mnist not installed"
 )
+
+
+def peer_pids(launcher: int) -> dict[str, int]:
+    """The launcher's peer processes by node name (each shows as ``p2pfl NAME``)."""
+    found = subprocess.run(["pgrep", "-P", str(launcher)], capture_output=True, text=True)
+    pids = {}
+    for pid in map(int, found.stdout.split()):
+        with contextlib.suppress(OSError):
+            comm = Path(f"/proc/{pid}/comm").read_text().split()
+            if comm[0] == "p2pfl":
+                pids[comm[1]] = pid
+    return pids

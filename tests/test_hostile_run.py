@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 import yaml
 
-from conftest import BASE, ROOT
+from conftest import BASE, ROOT, peer_pids
 from p2pfl.app.cli import LOCK, main
 
 QUICK = BASE | {"peers": {"count": 4}, "algorithm": {"name": "fedavg", "rounds": 2}}
@@ -174,23 +174,6 @@ def wait_for(predicate, timeout: float = 120.0) -> None:
         time.sleep(0.1)
 
 
-def children(pid: int) -> list[int]:
-    """The process ids of ``pid``'s children (Linux /proc), but for the one that may still
-    be drawing ``partition.png``."""
-    found: list[int] = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        text = (task / "children").read_text().split()
-        found += [int(t) for t in text]
-    return [p for p in found if _name(p) != "p2pfl-figure"]
-
-
-def _name(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/comm").read_text().strip()
-    except FileNotFoundError:  # it ended meanwhile
-        return ""
-
-
 def alive(pid: int) -> bool:
     try:
         status = Path(f"/proc/{pid}/status").read_text()
@@ -225,7 +208,7 @@ def test_sigterm_to_the_launcher_stops_every_peer_and_writes_the_summary(tmp_pat
     proc = start(write(tmp_path, config), out, "--transport", "zmq")
     wait_for(lambda: len(list(out.glob("peers/*/comm.csv"))) == 5 and (out / "peers").is_dir())
     wait_for(lambda: (out / "peers/0/comm.csv").stat().st_size > 200)
-    peers = children(proc.pid)
+    peers = list(peer_pids(proc.pid).values())
     assert len(peers) == 5
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=60)
@@ -240,7 +223,7 @@ def test_peers_die_with_a_launcher_killed_by_sigkill(tmp_path):
     config = LONG | {"transport": {"timeout_s": 30.0}}
     proc = start(write(tmp_path, config), out, "--transport", "zmq")
     wait_for(lambda: len(list(out.glob("peers/*/comm.csv"))) == 5)
-    peers = children(proc.pid)
+    peers = list(peer_pids(proc.pid).values())
     assert len(peers) == 5
     proc.kill()
     proc.wait(timeout=10)
@@ -294,7 +277,7 @@ def test_a_hung_peer_ends_the_run_soon_after_the_timeout(tmp_path):
     proc = start(write(tmp_path, config), out, "--transport", "zmq")
     wait_for(lambda: (out / "peers/server/comm.csv").is_file())
     wait_for(lambda: (out / "peers/server/comm.csv").stat().st_size > 500)
-    peers = children(proc.pid)
+    peers = list(peer_pids(proc.pid).values())
     hung = peers[1]
     os.kill(hung, signal.SIGSTOP)
     stopped = time.monotonic()

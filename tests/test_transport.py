@@ -21,7 +21,7 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import BASE, ROOT, experiment
+from conftest import BASE, ROOT, experiment, peer_pids
 from p2pfl.core.errors import RunError
 from p2pfl.methods import METHODS
 from p2pfl.methods.effects import Recv
@@ -128,18 +128,6 @@ def launcher(tmp_path):
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
-
-
-def peer_pids(launcher: int) -> dict[str, int]:
-    """The launcher's peer processes by node name (each shows as ``p2pfl NAME``)."""
-    found = subprocess.run(["pgrep", "-P", str(launcher)], capture_output=True, text=True)
-    pids = {}
-    for pid in map(int, found.stdout.split()):
-        with contextlib.suppress(OSError):
-            comm = Path(f"/proc/{pid}/comm").read_text().split()
-            if comm[0] == "p2pfl":
-                pids[comm[1]] = pid
-    return pids
 
 
 def still_running(pids: dict[str, int]) -> list[str]:
