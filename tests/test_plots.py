@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import warnings
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
@@ -59,6 +60,22 @@ def test_plot_writes_valid_png_and_svg(runs, tmp_path, capsys):
 def test_default_output_is_the_first_run_plots_folder(runs):
     assert main(["plot", str(runs["fedavg"])]) == 0
     assert valid(runs["fedavg"] / "plots" / "accuracy.svg")
+
+
+def test_a_run_that_sent_nothing_is_drawn_without_a_log_axis(runs, tmp_path):
+    """A bytes axis with no positive value cannot be logarithmic (matplotlib warns)."""
+    run = tmp_path / "silent"
+    run.mkdir()
+    for f in runs["fedavg"].iterdir():
+        if f.is_file():
+            (run / f.name).write_bytes(f.read_bytes())
+    header = (run / "comm.csv").read_text().splitlines()[0]
+    (run / "comm.csv").write_text(header + "\n")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fig = plots.accuracy_figure(plots.expand([run]))
+    assert fig.axes[1].get_xscale() == "linear"
+    assert plots.accuracy_figure(plots.expand([runs["fedavg"]])).axes[1].get_xscale() == "log"
 
 
 def test_curves_average_peers_and_count_delivered_bytes(runs):

@@ -197,6 +197,7 @@ def save(fig: Figure, out: Path, stem: str) -> list[Path]:
 def accuracy_figure(lines: list[tuple[str, list[Run]]]) -> Figure:
     fig = Figure(figsize=(15, 4.8), layout="constrained")
     axes = fig.subplots(1, 3, sharey=True)
+    delivered = False  # any bytes at all: a log axis needs a positive value
     for i, (name, runs) in enumerate(lines):
         c, per_peer = mean_curve(runs)
         notes = (["mean over peers"] if per_peer else []) + (
@@ -206,12 +207,16 @@ def accuracy_figure(lines: list[tuple[str, list[Run]]]) -> Figure:
         style = {"linestyle": LINES[i % len(LINES)], "marker": MARKERS[i % len(MARKERS)]}
         for ax, x in zip(axes, (c[:, 0], c[:, 2] / 1e6, c[:, 3]), strict=True):
             ax.plot(x, c[:, 1], markersize=3, label=text, **style)
+        delivered |= bool((c[:, 2] > 0).any())
     axes[0].set(xlabel="round", ylabel="test accuracy")
     axes[0].xaxis.set_major_locator(MaxNLocator(integer=True))
-    axes[1].set(xlabel="bytes delivered (MB, log scale; 0 not shown)", xscale="log")
-    axes[1].xaxis.set_major_locator(LogLocator(subs=(1, 2, 5)))  # labelled 1-2-5 steps
-    axes[1].xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
-    axes[1].xaxis.set_minor_formatter(NullFormatter())
+    if delivered:
+        axes[1].set(xlabel="bytes delivered (MB, log scale; 0 not shown)", xscale="log")
+        axes[1].xaxis.set_major_locator(LogLocator(subs=(1, 2, 5)))  # labelled 1-2-5 steps
+        axes[1].xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+        axes[1].xaxis.set_minor_formatter(NullFormatter())
+    else:
+        axes[1].set(xlabel="bytes delivered (MB; none)")
     axes[2].set(xlabel="simulated time (s)")
     for ax in axes:
         ax.grid(alpha=0.3)
