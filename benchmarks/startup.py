@@ -25,6 +25,9 @@ CASES = {
     "fedavg-fmnist, 1 round (Fashion-MNIST, 10 peers)": [
         "run", "experiments/fedavg-fmnist.yaml", "--set", "algorithm.rounds=1",
     ],
+    "the same, --workers 2": [
+        "run", "experiments/fedavg-fmnist.yaml", "--set", "algorithm.rounds=1", "--workers", "2",
+    ],
 }  # fmt: skip
 
 

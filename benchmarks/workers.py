@@ -5,8 +5,11 @@ round, evaluated once at the end: the peers' trainings are the work. Each repeat
 command line with ``--workers 1`` and then ``--workers N`` (wall time of the whole command,
 process start and data loading included, and the run's own ``wall_time_s``), and checks that
 both runs wrote the same ``comm.csv`` and ``metrics.csv``. One thread per rank.
+``--against DIR`` runs a second checkout's commands too (another commit: ``git worktree add
+DIR REV``), alternating with this one's, so the two are measured side by side.
 
     python benchmarks/workers.py [--workers 2] [--peers 100] [--rounds 3] [--repeats 2]
+                                [--against DIR]
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import p2pfl_command, report  # noqa: E402
+from common import ROOT, p2pfl_command, report  # noqa: E402
 
 
 def experiment(peers: int, rounds: int) -> dict:
@@ -40,10 +43,11 @@ def experiment(peers: int, rounds: int) -> dict:
     }
 
 
-def run(exp: Path, out: Path, workers: int) -> tuple[float, float]:
+def run(exp: Path, out: Path, workers: int, checkout: Path) -> tuple[float, float]:
     """(command wall time, the run's own wall_time_s)."""
     args = ["run", str(exp), "--force", "--workers", str(workers)]
-    wall, summary = p2pfl_command(args, os.environ | {"OMP_NUM_THREADS": "1"}, out)
+    env = os.environ | {"OMP_NUM_THREADS": "1"}
+    wall, summary = p2pfl_command(args, env, out, checkout)
     assert summary is not None
     return wall, summary["wall_time_s"]
 
@@ -54,26 +58,33 @@ def main() -> None:
     parser.add_argument("--peers", type=int, default=100)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--against", type=Path, help="a second checkout, run alongside")
     args = parser.parse_args()
     config = experiment(args.peers, args.rounds)
-    times: dict[int, list[tuple[float, float]]] = {1: [], args.workers: []}
+    checkouts = {"this": ROOT} | ({"against": args.against.resolve()} if args.against else {})
+    times: dict[tuple[str, int], list[tuple[float, float]]] = {}
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory() as tmp:
         exp = Path(tmp) / "workers.yaml"
         exp.write_text(yaml.safe_dump(config))
         for _ in range(args.repeats):
-            for n in (1, args.workers):
-                times[n].append(run(exp, Path(tmp) / f"w{n}", n))
-            for name in ("comm.csv", "metrics.csv"):
-                one = (Path(tmp) / "w1" / name).read_bytes()
-                assert one == (Path(tmp) / f"w{args.workers}" / name).read_bytes(), name
+            for name, checkout in checkouts.items():
+                for n in (1, args.workers):
+                    out = Path(tmp) / f"{name}-w{n}"
+                    times.setdefault((name, n), []).append(run(exp, out, n, checkout))
+                for file in ("comm.csv", "metrics.csv"):
+                    one = (Path(tmp) / f"{name}-w1" / file).read_bytes()
+                    assert one == (Path(tmp) / f"{name}-w{args.workers}" / file).read_bytes(), file
     rows = []
-    for what, k in (("whole command", 0), ("the run (wall_time_s)", 1)):
-        t1 = statistics.median(t[k] for t in times[1])
-        tn = statistics.median(t[k] for t in times[args.workers])
-        rows.append([what, args.peers, args.rounds, t1, tn, t1 / tn])
-    columns = ["what", "peers", "rounds", "workers_1_s", f"workers_{args.workers}_s", "speedup"]
+    for name in checkouts:
+        for what, k in (("whole command", 0), ("the run (wall_time_s)", 1)):
+            t1 = statistics.median(t[k] for t in times[name, 1])
+            tn = statistics.median(t[k] for t in times[name, args.workers])
+            rows.append([name, what, args.peers, args.rounds, t1, tn, t1 / tn])
+    columns = ["checkout", "what", "peers", "rounds", "workers_1_s"]
+    columns += [f"workers_{args.workers}_s", "speedup"]
     extra = {"config": config, "workers": args.workers, "identical_outputs": True}
+    extra |= {"against": str(args.against)}
     report("workers", columns, rows, extra | {"load_before": load_before, "goal_speedup": 1.8})
     print(f"load average before {load_before}, after {os.getloadavg()}")
 

@@ -96,6 +96,22 @@ def test_torchrun_starts_the_same_run_on_loopback(tmp_path):
     assert outputs(tmp_path / "two") == outputs(tmp_path / "one")
 
 
+def test_forked_ranks_compute_on_several_threads_each(tmp_path):
+    """The ranks are forked from rank 0's built run; with two threads each they neither hang
+    (GNU OpenMP's pool does not survive a fork: rank 0 computes on one thread until then)
+    nor differ from one process on two threads."""
+    exp = ROOT / "experiments" / "quickstart.yaml"  # its server's loss shows a thread count
+    env = os.environ | {"OMP_NUM_THREADS": "2"}
+    for n in (1, 2):
+        cmd = [sys.executable, "-m", "p2pfl", "run", str(exp), "--out", str(tmp_path / f"w{n}")]
+        done = subprocess.run(
+            [*cmd, "--quiet", "--workers", str(n)], env=env, cwd=ROOT, timeout=300,
+            capture_output=True, text=True,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr
+    assert outputs(tmp_path / "w2") == outputs(tmp_path / "w1")
+
+
 def test_a_dead_rank_ends_the_run_naming_it(tmp_path):
     exp = exp_file(tmp_path, **(RING | {"algorithm": {"name": "dfedavgm", "rounds": 200}}))
     cmd = [sys.executable, "-m", "p2pfl", "run", str(exp), "--out", str(tmp_path / "o")]
@@ -113,6 +129,7 @@ def test_a_dead_rank_ends_the_run_naming_it(tmp_path):
             time.sleep(0.1)
         assert child is not None
         time.sleep(3)  # the run is under way
+        assert Path(f"/proc/{child}/comm").read_text() == "p2pfl rank 1\n"  # forked, named
         os.kill(child, signal.SIGKILL)
         _, err = proc.communicate(timeout=60)
     finally:

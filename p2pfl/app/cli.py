@@ -20,7 +20,7 @@ import os
 import shutil
 import signal
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
@@ -28,7 +28,9 @@ from typing import TYPE_CHECKING, NoReturn
 from p2pfl.core.errors import ConfigError, RunError
 
 if TYPE_CHECKING:
+    from p2pfl.runtime.children import Workers
     from p2pfl.runtime.ranks import Ranks
+    from p2pfl.runtime.setup import Setup
 
 
 class _Parser(argparse.ArgumentParser):
@@ -219,11 +221,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     world, rank = _world()
     if world > 1 and rank > 0:
         return _helper_rank(args)
-    with _ranks(args) as join:  # the other ranks start, import and load while this one does
-        return _run(args, join)
+    with _fork_safe(args.workers) as threads:
+        return _run(args, threads)
 
 
-def _run(args: argparse.Namespace, join: Callable[[], Ranks | None]) -> int:
+def _run(args: argparse.Namespace, threads: int) -> int:
     from p2pfl.app.experiment import run
     from p2pfl.app.sweep import load, run_sweep
 
@@ -241,8 +243,8 @@ def _run(args: argparse.Namespace, join: Callable[[], Ranks | None]) -> int:
     setup = _setup(args, args.transport)
     if spread and setup.population.compute != "model":  # wall-clock compute differs by rank
         raise ConfigError("--workers", "needs peers.compute: model")
-    with _claimed(out, args.force):
-        summary = run(setup, out, not args.quiet, args.transport, join())
+    with _claimed(out, args.force), _ranks(args.workers, threads, setup) as ranks:
+        summary = run(setup, out, not args.quiet, args.transport, ranks)
     _say(setup.config["name"], summary, out)
     return 0
 
@@ -320,10 +322,8 @@ def _check_workers(args: argparse.Namespace, sweep: bool) -> bool:
     """Whether this run is spread over ranks (``--workers``, or started by ``torchrun``)."""
     if not 1 <= args.workers <= MAX_WORKERS:
         raise ConfigError("--workers", f"must be in 1..{MAX_WORKERS}, got {args.workers}")
-    from p2pfl.runtime.children import LAUNCHER_PID
-
     under_torchrun = _world()[0] > 1
-    if args.workers > 1 and under_torchrun and LAUNCHER_PID not in os.environ:
+    if args.workers > 1 and under_torchrun:
         raise ConfigError("--workers", "torchrun already starts the ranks; leave --workers out")
     spread = args.workers > 1 or under_torchrun
     if spread and sweep:
@@ -333,72 +333,113 @@ def _check_workers(args: argparse.Namespace, sweep: bool) -> bool:
     return spread
 
 
+NVML_CHECK = "PYTORCH_NVML_BASED_CUDA_CHECK"
+
+
 @contextmanager
-def _ranks(args: argparse.Namespace) -> Iterator[Callable[[], Ranks | None]]:
-    """Rank 0's side: start the other ranks (``--workers``) at once, so that they build the
-    run while this one does; give a function that joins them once this rank's build has
-    passed every check; wait for them at the end, stop them on error."""
-    from p2pfl.runtime.children import Workers  # no torch yet: the ranks start at once
-
-    if _world()[0] <= 1 and not 1 < args.workers <= MAX_WORKERS:
-        yield lambda: None
+def _fork_safe(workers: int) -> Iterator[int]:
+    """While ``--workers N`` builds its run, keep this process fit to fork the other ranks
+    from, and give each rank's thread count. GNU OpenMP's thread pool does not survive a
+    fork (a child that computes on several threads hangs), so until the fork this process
+    computes on one thread, and one that had already imported torch (a test, a notebook:
+    it may have used several) gives its forked ranks one thread each. CUDA, once
+    initialized, does not survive a fork either: its availability is asked of NVML, which
+    torch offers for this."""
+    if workers <= 1:
+        yield 0
         return
-    workers = None
-    joined: list[Ranks | None] = []
+    from p2pfl.runtime.children import rank_threads
 
-    def join() -> Ranks | None:
-        from p2pfl.runtime.ranks import Ranks
+    fresh = "torch" not in sys.modules
+    import torch
 
-        if workers is None:
-            joined.append(Ranks.from_env())
+    threads, nvml = torch.get_num_threads(), os.environ.get(NVML_CHECK)
+    torch.set_num_threads(1)
+    os.environ[NVML_CHECK] = "1"
+    try:
+        yield rank_threads(workers) if fresh else 1
+    finally:
+        torch.set_num_threads(threads)
+        if nvml is None:
+            os.environ.pop(NVML_CHECK)
         else:
-            workers.ready.set()
-            joined.append(Ranks.from_env(workers.env, workers.threads))
-        return joined[0]
+            os.environ[NVML_CHECK] = nvml
+
+
+@contextmanager
+def _ranks(workers: int, threads: int, setup: Setup) -> Iterator[Ranks | None]:
+    """This process's place among the ranks: alone (``None``); a rank that ``torchrun``
+    started; or rank 0 of ``--workers N``, which forks the other ranks from the built run
+    (they share its torch and data copy-on-write, and start at once), waits for them at the
+    end and stops them on error."""
+    from p2pfl.runtime.ranks import Ranks
+
+    ranks: Ranks | None = None
+    workers_: Workers | None = None
+    try:
+        if _world()[0] > 1:
+            ranks = Ranks.from_env()
+        elif workers > 1:
+            import torch
+
+            from p2pfl.runtime.children import Workers, free_port, rank_threads
+
+            if torch.cuda.is_initialized():
+                raise RunError("--workers: CUDA was initialized before the ranks were forked")
+            env = {"WORLD_SIZE": str(workers), "MASTER_ADDR": "127.0.0.1"}
+            env["MASTER_PORT"] = str(free_port())
+            workers_ = Workers(workers, lambda r: _forked_rank(setup, env, r, threads))
+            ranks = Ranks.from_env(env | {"RANK": "0"}, rank_threads(workers))
+        yield ranks
+        if workers_ is not None:
+            workers_.join()
+    finally:
+        if workers_ is not None:
+            workers_.stop()
+        if ranks is not None:
+            ranks.close()
+
+
+def _forked_rank(setup: Setup, env: dict[str, str], rank: int, threads: int) -> int:
+    """A rank above 0 of ``--workers``, forked from rank 0's built run: train its share,
+    write nothing (rank 0 does)."""
+    from p2pfl.runtime.ranks import Ranks
 
     try:
-        if args.workers > 1 and "WORLD_SIZE" not in os.environ and args.transport == "sim":
-            argv = ["run", args.experiment, "--quiet", "--out", str(args.out or "-")]
-            argv += [f"--set={s}" for s in args.sets] + ["--workers", str(args.workers)]
-            argv += ["--seed", str(args.seed)] if args.seed is not None else []
-            workers = Workers(args.workers, argv)
-        yield join
-        if workers is not None:
-            workers.join()
-    finally:
-        if workers is not None:
-            workers.stop()
-        if joined and joined[0] is not None:
-            joined[0].close()
+        ranks = Ranks.from_env(env | {"RANK": str(rank)}, threads)
+    except RunError as e:
+        _error(str(e))
+        return 1
+    _rank_run(setup, ranks)
+    return 0
 
 
 def _helper_rank(args: argparse.Namespace) -> int:
-    """A rank above 0: build the same run, train its share, write nothing (rank 0 does).
-    A configuration error under ``--workers`` exits 2 silently: rank 0 reports it."""
+    """A rank above 0 that ``torchrun`` started: build the same run, train its share,
+    write nothing (rank 0 does)."""
+    from p2pfl.app.sweep import load
+    from p2pfl.runtime.ranks import Ranks
+
+    _check_workers(args, bool(load(args.experiment, args.sets, args.seed)[1]))
+    setup = _setup(args, "sim")
+    if setup.population.compute != "model":
+        raise ConfigError("--workers", "needs peers.compute: model")
+    _rank_run(setup, Ranks.from_env())
+    return 0
+
+
+def _rank_run(setup: Setup, ranks: Ranks | None) -> None:
+    """Run the simulation as a rank above 0: its outputs go to a directory thrown away."""
     import tempfile
 
     from p2pfl.app.experiment import run
-    from p2pfl.app.sweep import load
-    from p2pfl.runtime.children import LAUNCHER_PID, die_with_launcher
-    from p2pfl.runtime.ranks import Ranks
 
-    if LAUNCHER_PID in os.environ:
-        die_with_launcher()
     try:
-        _check_workers(args, bool(load(args.experiment, args.sets, args.seed)[1]))
-        setup = _setup(args, "sim")
-        if setup.population.compute != "model":
-            raise ConfigError("--workers", "needs peers.compute: model")
-    except ConfigError:
-        if LAUNCHER_PID in os.environ:
-            return 2
-        raise
-    ranks = Ranks.from_env()
-    with tempfile.TemporaryDirectory(prefix="p2pfl-rank") as tmp:
-        run(setup, Path(tmp), False, "sim", ranks)
-    if ranks is not None:
-        ranks.close()
-    return 0
+        with tempfile.TemporaryDirectory(prefix="p2pfl-rank") as tmp:
+            run(setup, Path(tmp), False, "sim", ranks)
+    finally:
+        if ranks is not None:
+            ranks.close()
 
 
 def cmd_peer(args: argparse.Namespace) -> int:

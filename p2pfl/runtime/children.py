@@ -1,9 +1,7 @@
 """Child processes that never outlive the process that started them (peers of a ZeroMQ
-run, ranks of ``--workers``, the figure a run draws meanwhile), whatever kills it. No torch
-here: ``--workers`` starts its ranks before this process has imported it, so that they
-import and load alongside.
+run, ranks of ``--workers``, the figure a run draws meanwhile), whatever kills it.
 
-Peers of a ZeroMQ run are :class:`Forked` from a process that has already imported torch and
+Peers and ranks are :class:`Forked` from a process that has already imported torch and
 loaded the data: they share those pages copy-on-write, so a peer costs tens of megabytes and
 milliseconds instead of a fresh interpreter's hundreds and seconds."""
 
@@ -11,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import gc
 import os
 import signal
@@ -24,9 +23,6 @@ from collections.abc import Callable
 
 LAUNCHER_PID = "P2PFL_LAUNCHER_PID"
 """The environment variable that tells a child the launcher's process id."""
-
-RANK_ENV = ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT")
-"""What ``torchrun`` sets for each rank of a spread simulation, and ``--workers`` too."""
 
 
 def die_with_launcher() -> None:
@@ -75,7 +71,10 @@ class Forked:
 
     def poll(self) -> int | None:
         if self.returncode is None:
-            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            try:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:  # another thread reaped it and is setting returncode
+                return None
             if pid:
                 self.returncode = os.waitstatus_to_exitcode(status)
         return self.returncode
@@ -124,35 +123,28 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-class Workers:
-    """``--workers N``: this process becomes rank 0 of N, the others are started here (same
-    command, ``RANK`` 1..N-1), each with ``cores // N`` threads unless ``OMP_NUM_THREADS``
-    says otherwise, and each dies with this process. A rank that dies ends the run."""
+def rank_threads(n: int) -> int:
+    """Each of ``n`` local ranks' torch threads: ``OMP_NUM_THREADS`` if set, else its share
+    of the cores."""
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    if threads.isdigit() and int(threads) >= 1:
+        return int(threads)
+    return max(1, (os.cpu_count() or 1) // n)
 
-    def __init__(self, n: int, argv: list[str]) -> None:
-        threads = os.environ.get("OMP_NUM_THREADS", "")
-        if not threads.isdigit() or int(threads) < 1:
-            threads = str(max(1, (os.cpu_count() or 1) // n))
-        env = os.environ | {
-            "WORLD_SIZE": str(n), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
-            "OMP_NUM_THREADS": threads, LAUNCHER_PID: str(os.getpid()),
-        }  # fmt: skip
-        self.children = [
-            subprocess.Popen([sys.executable, "-m", "p2pfl", *argv], env=env | {"RANK": str(r)})
-            for r in range(1, n)
-        ]
-        self.env = {k: env[k] for k in RANK_ENV if k != "RANK"} | {"RANK": "0"}  # rank 0's
-        self.threads = int(threads)
-        self.ready = threading.Event()  # set once rank 0 has built the run: it then joins
+
+class Workers:
+    """``--workers N``: this process is rank 0 of N; ranks 1..N-1 are forked from it once
+    it has built the run, each calling ``main(rank)`` as ``p2pfl rank R`` in ``ps``, each
+    dying with this process. A rank that dies ends the run, naming it."""
+
+    def __init__(self, n: int, main: Callable[[int], int]) -> None:
+        self.children = [Forked(functools.partial(main, r), f"p2pfl rank {r}") for r in range(1, n)]
         threading.Thread(target=self._watch, daemon=True).start()
 
     def _watch(self) -> None:
-        """End the run, with the rank's name, if a rank exits with an error (once rank 0
-        has built the run: a configuration error is rank 0's to report)."""
         for r, child in enumerate(self.children, 1):
             code = child.wait()
             if code != 0:
-                self.ready.wait()
                 sys.stderr.write(f"error: worker rank {r} exited with code {code}\n")
                 sys.stderr.flush()
                 self.stop()
@@ -161,8 +153,7 @@ class Workers:
     def stop(self) -> None:
         """Kill the ranks still running."""
         for child in self.children:
-            if child.poll() is None:
-                child.kill()
+            child.kill()
         for child in self.children:
             child.wait()
 

@@ -47,8 +47,9 @@ class Ranks:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] = os.environ, threads: int = 0) -> Ranks | None:
-        """Join the run that ``torchrun`` or ``--workers`` described in ``env``
-        (``children.RANK_ENV``), with ``threads`` threads if given; ``None`` for one process."""
+        """Join the run that ``torchrun`` or ``--workers`` described in ``env`` (``RANK``,
+        ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``), with ``threads`` threads if
+        given; ``None`` for one process."""
         world = int(env.get("WORLD_SIZE", "1"))
         if world <= 1:
             return None
