@@ -20,6 +20,7 @@ import os
 import shutil
 import signal
 import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -393,6 +394,10 @@ def _ranks(workers: int, threads: int, setup: Setup) -> Iterator[Ranks | None]:
         yield ranks
         if workers_ is not None:
             workers_.join()
+    except RunError:  # a rank that died: rank 0's run ended by it, or by its next exchange
+        if workers_ is not None and (death := _death(workers_)):
+            raise RunError(death) from None
+        raise
     finally:
         if workers_ is not None:
             workers_.stop()
@@ -400,11 +405,22 @@ def _ranks(workers: int, threads: int, setup: Setup) -> Iterator[Ranks | None]:
             ranks.close()
 
 
+def _death(workers: Workers) -> str | None:
+    """The rank whose death ended the run, if one did; a dying rank's connections close
+    (failing rank 0's exchange) a moment before its exit can be seen: wait that moment."""
+    for _ in range(100):
+        if workers.death:
+            break
+        time.sleep(0.01)
+    return workers.death
+
+
 def _forked_rank(setup: Setup, env: dict[str, str], rank: int, threads: int) -> int:
     """A rank above 0 of ``--workers``, forked from rank 0's built run: train its share,
-    write nothing (rank 0 does)."""
+    write nothing (rank 0 does). Ctrl-C is rank 0's to handle: it stops the ranks."""
     from p2pfl.runtime.ranks import Ranks
 
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         ranks = Ranks.from_env(env | {"RANK": str(rank)}, threads)
     except RunError as e:

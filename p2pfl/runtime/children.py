@@ -7,6 +7,7 @@ milliseconds instead of a fresh interpreter's hundreds and seconds."""
 
 from __future__ import annotations
 
+import _thread
 import contextlib
 import ctypes
 import functools
@@ -20,6 +21,8 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
+
+from p2pfl.core.errors import RunError
 
 LAUNCHER_PID = "P2PFL_LAUNCHER_PID"
 """The environment variable that tells a child the launcher's process id."""
@@ -80,7 +83,15 @@ class Forked:
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
-        """Wait for the child to end (``subprocess.TimeoutExpired`` after ``timeout``)."""
+        """Wait for the child to end (``subprocess.TimeoutExpired`` after ``timeout``);
+        without a timeout, in the kernel (other threads keep the interpreter)."""
+        while timeout is None and self.returncode is None:
+            try:
+                _, status = os.waitpid(self.pid, 0)
+            except ChildProcessError:  # another thread reaped it and is setting returncode
+                time.sleep(0.01)
+                continue
+            self.returncode = os.waitstatus_to_exitcode(status)
         deadline = None if timeout is None else time.monotonic() + timeout
         while (code := self.poll()) is None:
             if deadline is not None and time.monotonic() > deadline:
@@ -132,26 +143,51 @@ def rank_threads(n: int) -> int:
     return max(1, (os.cpu_count() or 1) // n)
 
 
+DEATH_GRACE_S = 30.0
+"""How long a rank's death waits for rank 0 to end its run itself (writing its summary)
+before rank 0 is ended from outside: it may be stuck in a call that cannot be interrupted."""
+
+
 class Workers:
     """``--workers N``: this process is rank 0 of N; ranks 1..N-1 are forked from it once
     it has built the run, each calling ``main(rank)`` as ``p2pfl rank R`` in ``ps``, each
-    dying with this process. A rank that dies ends the run, naming it."""
+    dying with this process. A rank that dies ends the run with a :class:`RunError` naming
+    it, raised in this process's main thread (which must create the workers and
+    :meth:`stop` them); ranks that this process stops are not reported."""
 
     def __init__(self, n: int, main: Callable[[int], int]) -> None:
+        self.stopping = False
+        self.death: str | None = None  # the first rank's death, in one line
+        self._handler = signal.signal(signal.SIGUSR1, self._raise)
         self.children = [Forked(functools.partial(main, r), f"p2pfl rank {r}") for r in range(1, n)]
-        threading.Thread(target=self._watch, daemon=True).start()
-
-    def _watch(self) -> None:
         for r, child in enumerate(self.children, 1):
-            code = child.wait()
-            if code != 0:
-                sys.stderr.write(f"error: worker rank {r} exited with code {code}\n")
-                sys.stderr.flush()
-                self.stop()
-                os._exit(1)
+            threading.Thread(target=self._watch, args=(r, child), daemon=True).start()
+
+    def _watch(self, r: int, child: Forked) -> None:
+        code = child.wait()
+        if code == 0 or self.stopping or self.death:
+            return
+        self.death = f"worker rank {r} exited with code {code}"
+        _thread.interrupt_main(signal.SIGUSR1)
+        deadline = time.monotonic() + DEATH_GRACE_S
+        while not self.stopping and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if not self.stopping:
+            sys.stderr.write(f"error: {self.death}\n")
+            sys.stderr.flush()
+            self._kill()
+            os._exit(1)
+
+    def _raise(self, signum: int, frame: object) -> None:
+        raise RunError(self.death or "a worker rank exited")
 
     def stop(self) -> None:
-        """Kill the ranks still running."""
+        """Kill the ranks still running and wait for them."""
+        self.stopping = True
+        signal.signal(signal.SIGUSR1, self._handler)
+        self._kill()
+
+    def _kill(self) -> None:
         for child in self.children:
             child.kill()
         for child in self.children:
