@@ -112,14 +112,21 @@ def test_forked_ranks_compute_on_several_threads_each(tmp_path):
     assert outputs(tmp_path / "w2") == outputs(tmp_path / "w1")
 
 
-def test_a_dead_rank_ends_the_run_naming_it(tmp_path):
-    """Rank 0 ends its run (summary.json says why) with one error line naming the rank."""
+def long_spread_run(tmp_path: Path, **popen: Any) -> subprocess.Popen[str]:
+    """``p2pfl run --workers 2`` of a 200-round ring into ``tmp_path/o``, started, with its
+    stderr piped: a run long enough to kill or interrupt."""
     exp = exp_file(tmp_path, **(RING | {"algorithm": {"name": "dfedavgm", "rounds": 200}}))
     cmd = [sys.executable, "-m", "p2pfl", "run", str(exp), "--out", str(tmp_path / "o")]
     env = os.environ | {"OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(
-        [*cmd, "--quiet", "--workers", "2"], env=env, cwd=ROOT, stderr=subprocess.PIPE, text=True
-    )
+    return subprocess.Popen(
+        [*cmd, "--quiet", "--workers", "2"], env=env, cwd=ROOT, stderr=subprocess.PIPE,
+        text=True, **popen,
+    )  # fmt: skip
+
+
+def test_a_dead_rank_ends_the_run_naming_it(tmp_path):
+    """Rank 0 ends its run (summary.json says why) with one error line naming the rank."""
+    proc = long_spread_run(tmp_path)
     try:
         child = None
         for _ in range(300):  # the rank appears within seconds
@@ -148,13 +155,7 @@ def test_an_interrupted_spread_run_ends_as_interrupted(tmp_path, signum, group):
     """Ctrl-C (SIGINT to the whole process group) or SIGTERM to rank 0: the run ends as
     interrupted (exit 130, summary.json says so), not as a rank's death: rank 0 stops the
     ranks, and the ranks leave Ctrl-C to it."""
-    exp = exp_file(tmp_path, **(RING | {"algorithm": {"name": "dfedavgm", "rounds": 200}}))
-    cmd = [sys.executable, "-m", "p2pfl", "run", str(exp), "--out", str(tmp_path / "o")]
-    env = os.environ | {"OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(
-        [*cmd, "--quiet", "--workers", "2"], env=env, cwd=ROOT, stderr=subprocess.PIPE,
-        text=True, start_new_session=True,
-    )  # fmt: skip
+    proc = long_spread_run(tmp_path, start_new_session=True)
     try:
         for _ in range(300):  # the run is under way once summary's siblings appear
             if (tmp_path / "o" / "comm.csv").is_file():

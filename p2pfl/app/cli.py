@@ -20,7 +20,6 @@ import os
 import shutil
 import signal
 import sys
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -395,7 +394,7 @@ def _ranks(workers: int, threads: int, setup: Setup) -> Iterator[Ranks | None]:
         if workers_ is not None:
             workers_.join()
     except RunError:  # a rank that died: rank 0's run ended by it, or by its next exchange
-        if workers_ is not None and (death := _death(workers_)):
+        if workers_ is not None and (death := workers_.died(within=1.0)):
             raise RunError(death) from None
         raise
     finally:
@@ -403,16 +402,6 @@ def _ranks(workers: int, threads: int, setup: Setup) -> Iterator[Ranks | None]:
             workers_.stop()
         if ranks is not None:
             ranks.close()
-
-
-def _death(workers: Workers) -> str | None:
-    """The rank whose death ended the run, if one did; a dying rank's connections close
-    (failing rank 0's exchange) a moment before its exit can be seen: wait that moment."""
-    for _ in range(100):
-        if workers.death:
-            break
-        time.sleep(0.01)
-    return workers.death
 
 
 def _forked_rank(setup: Setup, env: dict[str, str], rank: int, threads: int) -> int:

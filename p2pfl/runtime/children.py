@@ -156,8 +156,9 @@ class Workers:
     :meth:`stop` them); ranks that this process stops are not reported."""
 
     def __init__(self, n: int, main: Callable[[int], int]) -> None:
-        self.stopping = False
         self.death: str | None = None  # the first rank's death, in one line
+        self._died = threading.Event()
+        self._stopped = threading.Event()
         self._handler = signal.signal(signal.SIGUSR1, self._raise)
         self.children = [Forked(functools.partial(main, r), f"p2pfl rank {r}") for r in range(1, n)]
         for r, child in enumerate(self.children, 1):
@@ -165,14 +166,12 @@ class Workers:
 
     def _watch(self, r: int, child: Forked) -> None:
         code = child.wait()
-        if code == 0 or self.stopping or self.death:
+        if code == 0 or self._stopped.is_set() or self._died.is_set():
             return
         self.death = f"worker rank {r} exited with code {code}"
+        self._died.set()
         _thread.interrupt_main(signal.SIGUSR1)
-        deadline = time.monotonic() + DEATH_GRACE_S
-        while not self.stopping and time.monotonic() < deadline:
-            time.sleep(0.1)
-        if not self.stopping:
+        if not self._stopped.wait(DEATH_GRACE_S):
             sys.stderr.write(f"error: {self.death}\n")
             sys.stderr.flush()
             self._kill()
@@ -181,9 +180,16 @@ class Workers:
     def _raise(self, signum: int, frame: object) -> None:
         raise RunError(self.death or "a worker rank exited")
 
+    def died(self, within: float) -> str | None:
+        """The rank whose death ended the run, if one did, waiting up to ``within`` seconds
+        for it: a dying rank's connections close (failing the others' exchange) a moment
+        before its exit can be seen."""
+        self._died.wait(within)
+        return self.death
+
     def stop(self) -> None:
         """Kill the ranks still running and wait for them."""
-        self.stopping = True
+        self._stopped.set()
         signal.signal(signal.SIGUSR1, self._handler)
         self._kill()
 
