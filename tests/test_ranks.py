@@ -149,6 +149,22 @@ def test_a_dead_rank_ends_the_run_naming_it(tmp_path):
     assert "worker rank 1 exited with code -9" in summary["error"]
 
 
+def test_a_rank_that_cannot_join_is_one_error_line(tmp_path):
+    """A forked rank that cannot join the others (gloo finds no such interface) is one
+    line, its own reason, told to rank 0 (not its line and then rank 0's "exited with
+    code 1" for one failure)."""
+    exp = exp_file(tmp_path, **RING)
+    env = os.environ | {"OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "no-such-interface"}
+    cmd = [sys.executable, "-m", "p2pfl", "run", str(exp), "--out", str(tmp_path / "o")]
+    done = subprocess.run(
+        [*cmd, "--quiet", "--workers", "2"], env=env, cwd=ROOT, timeout=120,
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert done.returncode == 1
+    assert len(done.stderr.splitlines()) == 1, done.stderr
+    assert done.stderr.startswith("error: rank ") and "could not reach the others" in done.stderr
+
+
 @pytest.mark.parametrize("signum,group", [(signal.SIGINT, True), (signal.SIGTERM, False)],
                          ids=["ctrl-c", "sigterm-to-rank-0"])  # fmt: skip
 def test_an_interrupted_spread_run_ends_as_interrupted(tmp_path, signum, group):

@@ -241,8 +241,8 @@ def _run(args: argparse.Namespace, threads: int) -> int:
     out = output_dir(args.out or f"runs/{name}-seed{raw.get('seed', 0)}")
     check_fresh(out, args.force)
     setup = _setup(args, args.transport)
-    if spread and setup.population.compute != "model":  # wall-clock compute differs by rank
-        raise ConfigError("--workers", "needs peers.compute: model")
+    if spread:
+        _check_spread(setup)
     with _claimed(out, args.force), _ranks(args.workers, threads, setup) as ranks:
         summary = run(setup, out, not args.quiet, args.transport, ranks)
     _say(setup.config["name"], summary, out)
@@ -333,6 +333,12 @@ def _check_workers(args: argparse.Namespace, sweep: bool) -> bool:
     return spread
 
 
+def _check_spread(setup: Setup) -> None:
+    """A run spread over ranks needs simulated compute times that every rank agrees on."""
+    if setup.population.compute != "model":  # wall-clock compute differs by rank
+        raise ConfigError("--workers", "needs peers.compute: model")
+
+
 NVML_CHECK = "PYTORCH_NVML_BASED_CUDA_CHECK"
 
 
@@ -342,7 +348,8 @@ def _fork_safe(workers: int) -> Iterator[int]:
     from, and give each rank's thread count. GNU OpenMP's thread pool does not survive a
     fork (a child that computes on several threads hangs), so until the fork this process
     computes on one thread, and one that had already imported torch (a test, a notebook:
-    it may have used several) gives its forked ranks one thread each. CUDA, once
+    it may have used several) runs every rank on one thread (ranks on different thread
+    counts would not give one process's answer). CUDA, once
     initialized, does not survive a fork either: its availability is asked of NVML, which
     torch offers for this."""
     if workers <= 1:
@@ -382,14 +389,14 @@ def _ranks(workers: int, threads: int, setup: Setup) -> Iterator[Ranks | None]:
         elif workers > 1:
             import torch
 
-            from p2pfl.runtime.children import Workers, free_port, rank_threads
+            from p2pfl.runtime.children import Workers, free_port
 
             if torch.cuda.is_initialized():
                 raise RunError("--workers: CUDA was initialized before the ranks were forked")
             env = {"WORLD_SIZE": str(workers), "MASTER_ADDR": "127.0.0.1"}
             env["MASTER_PORT"] = str(free_port())
             workers_ = Workers(workers, lambda r: _forked_rank(setup, env, r, threads))
-            ranks = Ranks.from_env(env | {"RANK": "0"}, rank_threads(workers))
+            ranks = Ranks.from_env(env | {"RANK": "0"}, threads)  # as many as the others
         yield ranks
         if workers_ is not None:
             workers_.join()
@@ -410,12 +417,7 @@ def _forked_rank(setup: Setup, env: dict[str, str], rank: int, threads: int) -> 
     from p2pfl.runtime.ranks import Ranks
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        ranks = Ranks.from_env(env | {"RANK": str(rank)}, threads)
-    except RunError as e:
-        _error(str(e))
-        return 1
-    _rank_run(setup, ranks)
+    _rank_run(setup, Ranks.from_env(env | {"RANK": str(rank)}, threads))
     return 0
 
 
@@ -427,8 +429,7 @@ def _helper_rank(args: argparse.Namespace) -> int:
 
     _check_workers(args, bool(load(args.experiment, args.sets, args.seed)[1]))
     setup = _setup(args, "sim")
-    if setup.population.compute != "model":
-        raise ConfigError("--workers", "needs peers.compute: model")
+    _check_spread(setup)
     _rank_run(setup, Ranks.from_env())
     return 0
 

@@ -13,6 +13,7 @@ import ctypes
 import functools
 import gc
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -143,6 +144,17 @@ def rank_threads(n: int) -> int:
     return max(1, (os.cpu_count() or 1) // n)
 
 
+def _rank_life(main: Callable[[int], int], r: int, told: int) -> int:
+    """Rank ``r``'s life in its forked child: a :class:`RunError` (it could not join the
+    others, say) is told to rank 0, whose error line it becomes, rather than printed here
+    as a second line for one failure."""
+    try:
+        return main(r)
+    except RunError as e:
+        os.write(told, str(e).encode()[: select.PIPE_BUF])
+        return 1
+
+
 DEATH_GRACE_S = 30.0
 """How long a rank's death waits for rank 0 to end its run itself (writing its summary)
 before rank 0 is ended from outside: it may be stuck in a call that cannot be interrupted."""
@@ -160,15 +172,22 @@ class Workers:
         self._died = threading.Event()
         self._stopped = threading.Event()
         self._handler = signal.signal(signal.SIGUSR1, self._raise)
-        self.children = [Forked(functools.partial(main, r), f"p2pfl rank {r}") for r in range(1, n)]
-        for r, child in enumerate(self.children, 1):
-            threading.Thread(target=self._watch, args=(r, child), daemon=True).start()
+        self.children: list[Forked] = []
+        for r in range(1, n):
+            why, told = os.pipe()  # a rank's RunError, told to rank 0 to report
+            rank = functools.partial(_rank_life, main, r, told)
+            child = Forked(rank, f"p2pfl rank {r}")
+            os.close(told)
+            self.children.append(child)
+            threading.Thread(target=self._watch, args=(r, child, why), daemon=True).start()
 
-    def _watch(self, r: int, child: Forked) -> None:
+    def _watch(self, r: int, child: Forked, why: int) -> None:
         code = child.wait()
+        with os.fdopen(why, "rb") as pipe:  # the child has exited: what it told is all there
+            told = pipe.read().decode(errors="replace")
         if code == 0 or self._stopped.is_set() or self._died.is_set():
             return
-        self.death = f"worker rank {r} exited with code {code}"
+        self.death = told or f"worker rank {r} exited with code {code}"
         self._died.set()
         _thread.interrupt_main(signal.SIGUSR1)
         if not self._stopped.wait(DEATH_GRACE_S):
