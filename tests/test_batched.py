@@ -53,6 +53,23 @@ def test_batched_training_equals_the_one_by_one_loop(hidden, bias, cfg):
             torch.testing.assert_close(other.state[key], value, rtol=1e-5, atol=1e-6)
 
 
+def test_the_mlp_path_gives_the_same_bits_whatever_its_group_size(monkeypatch):
+    """Peers are trained in groups of ``MLP_GROUP``; a peer's result does not depend on
+    which peers share its group, nor on how many (so the group size is free to tune)."""
+    setup = skewed_setup([16])
+    cfg = TrainConfig(batch_size=16, momentum=0.9, weight_decay=1e-3)
+    init, pool = setup.trainer.init_state(0), batched.DataPool(setup.data.peers)
+    trained = {}
+    for size in (1, 3, 8):
+        monkeypatch.setattr(batched, "MLP_GROUP", size)
+        jobs = [batched.Job(init, p, torch_generator(0, "t", p)) for p in range(len(pool.peers))]
+        trained[size] = batched.train_batched(setup.trainer.module(CPU), pool, jobs, cfg, CPU)
+    for size in (1, 3):
+        for one, other in zip(trained[8], trained[size], strict=True):
+            assert one.train_samples == other.train_samples
+            assert all(torch.equal(one.state[k], other.state[k]) for k in one.state)
+
+
 def test_pool_holds_the_data_once_and_leaves_it_unchanged():
     setup = skewed_setup([8])
     before = [(p.train_x.clone(), p.train_y.clone()) for p in setup.data.peers]
