@@ -164,8 +164,9 @@ class Workers:
     """``--workers N``: this process is rank 0 of N; ranks 1..N-1 are forked from it once
     it has built the run, each calling ``main(rank)`` as ``p2pfl rank R`` in ``ps``, each
     dying with this process. A rank that dies ends the run with a :class:`RunError` naming
-    it, raised in this process's main thread (which must create the workers and
-    :meth:`stop` them); ranks that this process stops are not reported."""
+    it (or the rank's own RunError, where one ended it), raised in this process's main
+    thread (which must create the workers and :meth:`stop` them); ranks that this process
+    stops are not reported."""
 
     def __init__(self, n: int, main: Callable[[int], int]) -> None:
         self.death: str | None = None  # the first rank's death, in one line
