@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import platform
 import subprocess
 import sys
@@ -35,6 +36,24 @@ def p2pfl_command(
     return wall, None if out is None else json.loads((out / "summary.json").read_text())
 
 
+def core_gflops(repeats: int = 100) -> float:
+    """How fast one core multiplies now: GFLOP/s of the product that scores an MLP-200 on
+    1,000 Fashion-MNIST images ([1000, 784] by [784, 200], best of ``repeats``). The shared
+    machine's speed moves between days (33 to 109 measured), so every result records it."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        a, b = torch.randn(1000, 784), torch.randn(784, 200)
+        best = math.inf
+        for _ in range(repeats):
+            start = time.perf_counter()
+            a @ b
+            best = min(best, time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(threads)
+    return 2 * 1000 * 784 * 200 / best / 1e9
+
+
 def machine() -> dict[str, Any]:
     return {
         "python": platform.python_version(),
@@ -42,6 +61,7 @@ def machine() -> dict[str, Any]:
         "threads": torch.get_num_threads(),
         "cpu": platform.processor() or platform.machine(),
         "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "core_gflops": round(core_gflops(), 1),
     }
 
 
@@ -55,6 +75,7 @@ def report(name: str, columns: list[str], rows: list[list[Any]], extra: dict[str
     RESULTS.mkdir(exist_ok=True)
     path = RESULTS / f"{name}.json"
     records = [dict(zip(columns, r, strict=True)) for r in rows]
-    path.write_text(json.dumps({"machine": machine(), "rows": records} | extra, indent=2) + "\n")
-    print(f"-> {path}")
+    here = machine()
+    path.write_text(json.dumps({"machine": here, "rows": records} | extra, indent=2) + "\n")
+    print(f"one core: {here['core_gflops']} GFLOP/s -> {path}")
     return path
