@@ -70,15 +70,26 @@ def test_the_mlp_path_gives_the_same_bits_whatever_its_group_size(monkeypatch):
             assert all(torch.equal(one.state[k], other.state[k]) for k in one.state)
 
 
-def test_pool_holds_the_data_once_and_leaves_it_unchanged():
+@pytest.mark.parametrize("laid_out", [True, False])
+def test_pool_holds_the_data_once_and_leaves_it_unchanged(laid_out):
+    """The partition lays the peers' training data end to end, and the pool takes that
+    tensor as it is (no copy: same address); peers whose data lie apart are joined."""
     setup = skewed_setup([8])
-    before = [(p.train_x.clone(), p.train_y.clone()) for p in setup.data.peers]
-    pool = batched.DataPool(setup.data.peers)
+    peers = setup.data.peers
+    if not laid_out:
+        for p in peers:
+            p.train_x, p.train_y = p.train_x.clone(), p.train_y.clone()
+    before = [(p.train_x.clone(), p.train_y.clone()) for p in peers]
+    first = peers[0].train_x.data_ptr()
+    pool = batched.DataPool(peers)
     x, y = pool.on(CPU)
-    for p, (bx, by), start in zip(setup.data.peers, before, pool.offsets, strict=True):
+    assert (x.data_ptr() == first) == laid_out
+    assert x.shape == (sum(p.num_train for p in peers), 64)
+    for p, (bx, by), start in zip(peers, before, pool.offsets, strict=True):
         assert torch.equal(p.train_x, bx) and torch.equal(p.train_y, by)
         assert p.train_x.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
         assert torch.equal(y[start : start + len(by)], by)
+        assert torch.equal(x[start : start + len(bx)], bx.flatten(1))
 
 
 def test_what_runs_batched():

@@ -24,6 +24,7 @@ from p2pfl.data import (
     make_federated_data,
 )
 from p2pfl.data.datasets import DEBIAN_FASHION_MNIST, _read_digits
+from p2pfl.data.federated import rotate
 from p2pfl.reporting.partition import save_partition
 
 # --- writers for the real on-disk formats ------------------------------------------------
@@ -328,6 +329,25 @@ def test_domain_rotation_is_exact_rot90(digits: Dataset) -> None:
         back = torch.rot90(peer.train_x, -(i % 2), dims=(2, 3))
         assert all(row.numpy().tobytes() in originals for row in back)
     assert sum(p.num_train for p in fed.peers) == 4 * (len(digits.train_y) // 4)
+
+
+@pytest.mark.parametrize("fraction", [0.1, 0.0])
+def test_domain_rotation_turns_each_peers_images(digits: Dataset, fraction: float) -> None:
+    """A peer's training and validation images are its unrotated ones turned by its angle
+    (bilinear for 30 degrees), also where a peer holds no validation images."""
+
+    def split_with(angles: list[int]) -> list:
+        options = {"name": "domain", "angles": angles, "val_fraction": fraction}
+        return make_federated_data(digits, options, num_peers=3, seed=0).peers
+
+    fill = digits.train_x.amin(dim=(0, 2, 3)).tolist()
+    for still, turned in zip(split_with([0]), split_with([30]), strict=True):
+        assert torch.equal(turned.train_x, rotate(still.train_x, 30, fill))
+        assert torch.equal(turned.train_y, still.train_y)
+        assert len(turned.val_x) == len(still.val_x) == (47 if fraction else 0)
+        if fraction:
+            assert torch.equal(turned.val_x, rotate(still.val_x, 30, fill))
+        assert not torch.equal(turned.train_x, still.train_x)
 
 
 def test_domain_default_angles(digits: Dataset) -> None:

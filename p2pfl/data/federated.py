@@ -104,14 +104,27 @@ def make_federated_data(
     # the darkest value per channel, for rotated corners (a pass over every image: only if used)
     fill = dataset.train_x.amin(dim=(0, 2, 3)).tolist() if any(angles) else []
 
-    peers = []
-    for i, (idx, angle) in enumerate(zip(parts, angles, strict=True)):
+    for i, idx in enumerate(parts):
         if len(idx) == 0:
             raise ConfigError("", f"peer {i} got no training samples; use fewer peers")
-        n_val = split.validation_size(len(idx))
-        x = rotate(dataset.train_x[torch.from_numpy(idx)], angle, fill)
-        y = dataset.train_y[torch.from_numpy(idx)]
-        peers.append(PeerData(x[n_val:], y[n_val:], x[:n_val], y[:n_val]))
+    n_val = [split.validation_size(len(idx)) for idx in parts]
+    # every peer's training samples end to end in one tensor (batched training takes it as
+    # it is: learning/batched.DataPool), its validation samples in another
+    pairs = list(zip(parts, n_val, strict=True))
+    train = torch.from_numpy(np.concatenate([idx[v:] for idx, v in pairs]))
+    val = torch.from_numpy(np.concatenate([idx[:v] for idx, v in pairs]))
+    train_x, train_y = dataset.train_x[train], dataset.train_y[train]
+    val_x, val_y = dataset.train_x[val], dataset.train_y[val]
+    peers = []
+    t = v = 0
+    for idx, nv, angle in zip(parts, n_val, angles, strict=True):
+        nt = len(idx) - nv
+        x, vx = train_x[t : t + nt], val_x[v : v + nv]
+        for part in (x, vx) if angle % 360 else ():
+            if len(part):  # image by image: the same pixels as rotating them together
+                part.copy_(rotate(part, angle, fill))
+        peers.append(PeerData(x, train_y[t : t + nt], vx, val_y[v : v + nv]))
+        t, v = t + nt, v + nv
 
     domains = list(dict.fromkeys(angles))
     counts = np.stack([np.bincount(labels[p], minlength=dataset.num_classes) for p in parts])

@@ -76,8 +76,8 @@ class DataPool:
         self.peers = peers
         sizes = [p.num_train for p in peers]
         self.offsets = [0, *itertools.accumulate(sizes)][:-1]
-        self._x = {torch.device("cpu"): torch.cat([p.train_x for p in peers])}
-        self._y = {torch.device("cpu"): torch.cat([p.train_y for p in peers])}
+        self._x = {torch.device("cpu"): _joined([p.train_x for p in peers])}
+        self._y = {torch.device("cpu"): _joined([p.train_y for p in peers])}
         for p, start, n in zip(peers, self.offsets, sizes, strict=True):
             p.train_x = self._x[torch.device("cpu")][start : start + n]
             p.train_y = self._y[torch.device("cpu")][start : start + n]
@@ -88,6 +88,23 @@ class DataPool:
             cpu = torch.device("cpu")
             self._x[device], self._y[device] = self._x[cpu].to(device), self._y[cpu].to(device)
         return self._x[device].flatten(1), self._y[device]
+
+
+def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
+    """``torch.cat(parts)``, without a copy where the parts already lie end to end in one
+    tensor, as :func:`p2pfl.data.federated.make_federated_data` lays out the peers' data."""
+    first = parts[0]
+    storage, offset = first.untyped_storage(), first.storage_offset()
+    for t in parts:
+        if (
+            not t.is_contiguous()
+            or t.untyped_storage().data_ptr() != storage.data_ptr()
+            or t.storage_offset() != offset
+        ):
+            return torch.cat(parts)
+        offset += t.numel()
+    shape = (sum(len(t) for t in parts), *first.shape[1:])
+    return first.as_strided(shape, torch.empty(shape, device="meta").stride())
 
 
 @dataclass
