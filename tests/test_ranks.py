@@ -113,15 +113,25 @@ def test_forked_ranks_compute_on_several_threads_each(tmp_path):
 
 
 def long_spread_run(tmp_path: Path, **popen: Any) -> subprocess.Popen[str]:
-    """``p2pfl run --workers 2`` of a 200-round ring into ``tmp_path/o``, started, with its
-    stderr piped: a run long enough to kill or interrupt."""
-    exp = exp_file(tmp_path, **(RING | {"algorithm": {"name": "dfedavgm", "rounds": 200}}))
+    """``p2pfl run --workers 2`` of a 100,000-round ring into ``tmp_path/o``, started, with
+    its stderr piped: a run that lasts until it is killed or interrupted."""
+    exp = exp_file(tmp_path, **(RING | {"algorithm": {"name": "dfedavgm", "rounds": 100_000}}))
     cmd = [sys.executable, "-m", "p2pfl", "run", str(exp), "--out", str(tmp_path / "o")]
     env = os.environ | {"OMP_NUM_THREADS": "1"}
     return subprocess.Popen(
         [*cmd, "--quiet", "--workers", "2"], env=env, cwd=ROOT, stderr=subprocess.PIPE,
         text=True, **popen,
     )  # fmt: skip
+
+
+def wait_under_way(out: Path) -> None:
+    """Until the run in ``out`` has written its first rounds' scores (at most a minute)."""
+    for _ in range(600):
+        metrics = out / "metrics.csv"
+        if metrics.is_file() and len(metrics.read_text().splitlines()) > 3:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"{out}: no scores written in a minute")
 
 
 def test_a_dead_rank_ends_the_run_naming_it(tmp_path):
@@ -136,7 +146,7 @@ def test_a_dead_rank_ends_the_run_naming_it(tmp_path):
                 break
             time.sleep(0.1)
         assert child is not None
-        time.sleep(3)  # the run is under way
+        wait_under_way(tmp_path / "o")
         assert Path(f"/proc/{child}/comm").read_text() == "p2pfl rank 1\n"  # forked, named
         os.kill(child, signal.SIGKILL)
         _, err = proc.communicate(timeout=60)
@@ -173,11 +183,7 @@ def test_an_interrupted_spread_run_ends_as_interrupted(tmp_path, signum, group):
     ranks, and the ranks leave Ctrl-C to it."""
     proc = long_spread_run(tmp_path, start_new_session=True)
     try:
-        for _ in range(300):  # the run is under way once summary's siblings appear
-            if (tmp_path / "o" / "comm.csv").is_file():
-                break
-            time.sleep(0.1)
-        time.sleep(2)
+        wait_under_way(tmp_path / "o")
         (os.killpg if group else os.kill)(proc.pid, signum)
         _, err = proc.communicate(timeout=60)
     finally:
