@@ -14,6 +14,7 @@ A sweep may reuse its directory (finished cells are kept) but not share it with 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import fcntl
 import gc
 import os
@@ -397,6 +398,7 @@ def _ranks(workers: int, threads: int, setup: Setup) -> Iterator[Ranks | None]:
             env["MASTER_PORT"] = str(free_port())
             workers_ = Workers(workers, lambda r: _forked_rank(setup, env, r, threads))
             ranks = Ranks.from_env(env | {"RANK": "0"}, threads)  # as many as the others
+            ranks = dataclasses.replace(ranks, death=workers_.died) if ranks else None
         yield ranks
         if workers_ is not None:
             workers_.join()

@@ -198,6 +198,10 @@ class Workers:
             os._exit(1)
 
     def _raise(self, signum: int, frame: object) -> None:
+        if sys.exc_info()[1] is not None:
+            # the run is ending already (the dead rank failed its exchange first), maybe in
+            # the ``finally`` that writes summary.json: the death becomes its error after
+            return
         raise RunError(self.death or "a worker rank exited")
 
     def died(self, within: float) -> str | None:

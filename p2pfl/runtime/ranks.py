@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import heapq
 import os
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
@@ -49,6 +50,9 @@ class Ranks:
     rank: int
     world: int
     threads_before: int = 0  # the thread count that ``close`` gives back (0: unchanged)
+    death: Callable[[float], str | None] | None = field(default=None, compare=False)
+    """Rank 0 of ``--workers``: the line naming a rank that died, waiting up to the given
+    seconds for it (a dead rank's connections close a moment before its exit is seen)."""
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] = os.environ, threads: int = 0) -> Ranks | None:
@@ -108,9 +112,10 @@ class Ranks:
                 buffers.append(_pack([mine[j] for j in js], size))
             else:
                 buffers.append(torch.empty(size, dtype=torch.uint8))
-        for r, buffer in enumerate(buffers):
-            if len(buffer):
-                dist.broadcast(buffer, src=r)
+        with self._together():
+            for r, buffer in enumerate(buffers):
+                if len(buffer):
+                    dist.broadcast(buffer, src=r)
         results = dict(mine)
         for r, js in enumerate(jobs):
             if r == self.rank or not js:
@@ -139,8 +144,20 @@ class Ranks:
             if owner[j] == self.rank:
                 values[j] = torch.tensor(job(j), dtype=torch.float64)
         gathered = [torch.empty_like(values) for _ in range(self.world)]
-        dist.all_gather(gathered, values)
+        with self._together():
+            dist.all_gather(gathered, values)
         return [gathered[owner[j]][j].tolist() for j in range(n)]
+
+    @contextmanager
+    def _together(self) -> Iterator[None]:
+        """A collective call: where another rank is gone, a RunError that says which (or
+        gloo's reason), so the run's summary names the cause."""
+        try:
+            yield
+        except RuntimeError as e:  # gloo's errors are RuntimeErrors
+            why = self.death(1.0) if self.death is not None else None
+            reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise RunError(why or f"rank {self.rank} lost the others ({reason[:200]})") from None
 
     def close(self) -> None:
         if dist.is_initialized():
