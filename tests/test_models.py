@@ -157,6 +157,30 @@ def test_average_respects_unnormalised_weights() -> None:
     assert torch.equal(average_states([a, b], [0.0, 2.0])["w"], b["w"])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+def test_average_sums_in_float64_in_state_order(dtype: torch.dtype) -> None:
+    """Each element is 0 + share_0 x_0 + share_1 x_1 + ... in float64 (torch's ``add_`` with
+    ``alpha`` on float64 copies), in the states' order, then cast back: the bits every
+    runtime and world size must agree on (signed zeros, NaN and infinities included)."""
+    g = torch.Generator().manual_seed(3)
+    states = []
+    for i in range(4):
+        w = (torch.randn(50, 30, generator=g, dtype=torch.float64) * 10.0 ** (8 * i - 12)).to(dtype)
+        w.view(-1)[:: 7 + i] = -0.0
+        w.view(-1)[5 + i :: 97] = (float("nan"), float("inf"), -float("inf"), 1e-40)[i]
+        states.append({"w": w})
+    weights = [0.3, 7.0, 1.0, 0.01]
+    shares = [x / sum(weights) for x in weights]
+    expected = torch.zeros(50, 30, dtype=torch.float64)
+    for share, state in zip(shares, states, strict=True):
+        expected.add_(state["w"].to(torch.float64), alpha=share)
+    mean = average_states(states, weights)["w"]
+    assert mean.dtype == dtype
+    assert torch.equal(
+        mean.view(-1).view(torch.uint8), expected.to(dtype).view(-1).view(torch.uint8)
+    )
+
+
 def test_average_rounds_integer_buffers() -> None:
     states = [{"n": torch.tensor(2)}, {"n": torch.tensor(5)}]
     out = average_states(states, [1, 3])["n"]  # (2 + 15) / 4 = 4.25

@@ -65,6 +65,6 @@ def average_states(states: Sequence[State], weights: Sequence[float] | None = No
     for k, v in ref.items():
         acc = torch.zeros(v.shape, dtype=torch.float64, device=v.device)
         for share, state in zip(shares, states, strict=True):
-            acc.add_(state[k].to(torch.float64), alpha=share)
+            acc.add_(state[k], alpha=share)  # computed in float64: as converting first
         out[k] = acc.to(v.dtype) if v.is_floating_point() else acc.round().to(v.dtype)
     return out
