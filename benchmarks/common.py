@@ -39,7 +39,7 @@ def p2pfl_command(
 def core_gflops(repeats: int = 100) -> float:
     """How fast one core multiplies now: GFLOP/s of the product that scores an MLP-200 on
     1,000 Fashion-MNIST images ([1000, 784] by [784, 200], best of ``repeats``). The shared
-    machine's speed moves between days (33 to 109 measured), so every result records it."""
+    machine's speed moves between days (33 to 118 measured), so every result records it."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

@@ -18,6 +18,7 @@ import yaml
 
 from conftest import BASE, ROOT
 from p2pfl.app.cli import main
+from p2pfl.core.errors import RunError
 from p2pfl.runtime.children import free_port
 from p2pfl.runtime.ranks import Ranks
 
@@ -224,3 +225,19 @@ def test_a_malformed_torchrun_environment_is_one_error_line(tmp_path, capsys, mo
     err = capsys.readouterr().err
     assert code == 2 and err.startswith("error: WORLD_SIZE, RANK: must be integers"), err
     assert len(err.splitlines()) == 1 and not out.exists()
+
+
+def test_a_failed_collective_is_one_line_naming_its_cause():
+    """gloo's many-line error becomes its first line; with a rank known dead (rank 0 of
+    ``--workers``), the death is the error instead."""
+    lost = RuntimeError("[../gloo/transport/tcp/pair.cc:545] Read error [127.0.0.1]:1\nmore\n")
+    with pytest.raises(RunError) as alone, Ranks(1, 2)._together():
+        raise lost
+    assert str(alone.value) == (
+        "rank 1 lost the others ([../gloo/transport/tcp/pair.cc:545] Read error [127.0.0.1]:1)"
+    )
+    waited = []
+    ranks = Ranks(0, 2, death=lambda within: waited.append(within) or "worker rank 1 exited")
+    with pytest.raises(RunError, match="^worker rank 1 exited$"), ranks._together():
+        raise lost
+    assert waited == [1.0]

@@ -73,9 +73,8 @@ class Ranks:
                     "gloo", init_method=address, rank=rank, world_size=world, timeout=TIMEOUT
                 )
             except (RuntimeError, ValueError) as e:  # gloo's errors are RuntimeErrors
-                reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
                 raise RunError(
-                    f"rank {rank} of {world} could not reach the others ({reason[:200]}); "
+                    f"rank {rank} of {world} could not reach the others ({_reason(e)}); "
                     "on several hosts, set GLOO_SOCKET_IFNAME to the interface between them"
                 ) from None
         before = torch.get_num_threads()
@@ -156,14 +155,19 @@ class Ranks:
             yield
         except RuntimeError as e:  # gloo's errors are RuntimeErrors
             why = self.death(1.0) if self.death is not None else None
-            reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise RunError(why or f"rank {self.rank} lost the others ({reason[:200]})") from None
+            raise RunError(why or f"rank {self.rank} lost the others ({_reason(e)})") from None
 
     def close(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
         if self.threads_before:
             torch.set_num_threads(self.threads_before)
+
+
+def _reason(e: Exception) -> str:
+    """The first line of gloo's error (its messages run to many lines), at most 200 chars."""
+    text = str(e).strip()
+    return text.splitlines()[0][:200] if text else type(e).__name__
 
 
 def _pack(done: list[TrainResult], size: int) -> torch.Tensor:
