@@ -45,9 +45,29 @@ BASE: dict[str, Any] = {
 }
 
 
+DEVICE = {"name": "cpu"}
+"""``pytest --device cuda``: the ``peers.device`` of every experiment built here that names
+none (the suite's check on a GPU host; docs/performance.md)."""
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--device", default="cpu", help="peers.device for the suite's experiments")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    DEVICE["name"] = config.getoption("--device")
+
+
+def on_device(raw: dict[str, Any]) -> dict[str, Any]:
+    """``raw`` with ``pytest --device``'s ``peers.device`` where its peers name none."""
+    if DEVICE["name"] != "cpu" and isinstance(raw.get("peers"), dict):
+        raw = raw | {"peers": {"device": DEVICE["name"]} | raw["peers"]}
+    return raw
+
+
 def experiment(**sections: dict[str, Any] | int | str) -> dict[str, Any]:
     """A resolved digits experiment; each keyword replaces one whole section."""
-    raw = copy.deepcopy(BASE) | sections
+    raw = on_device(copy.deepcopy(BASE) | sections)
     return resolve(raw, ROOT / "experiments" / "test.yaml")
 
 

@@ -14,10 +14,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 import yaml
 
-from conftest import BASE, ROOT
+from conftest import BASE, ROOT, experiment, on_device
 from p2pfl.app.cli import main
+from p2pfl.app.experiment import build
 from p2pfl.core.errors import RunError
 from p2pfl.runtime.children import free_port
 from p2pfl.runtime.ranks import Ranks
@@ -40,7 +42,7 @@ PROX = {  # a regulariser: trainings that never batch are spread too
 
 def exp_file(tmp_path: Path, **sections: Any) -> Path:
     path = tmp_path / "exp.yaml"
-    path.write_text(yaml.safe_dump(copy.deepcopy(BASE) | sections))
+    path.write_text(yaml.safe_dump(on_device(copy.deepcopy(BASE) | sections)))
     return path
 
 
@@ -51,6 +53,15 @@ def outputs(out: Path) -> dict[str, Any]:
         summary.pop(key)
     files = {name: (out / name).read_bytes() for name in ("comm.csv", "metrics.csv")}
     return files | {"summary": summary}
+
+
+def spread(exp: Path, out: Path, workers: int) -> int:
+    """``p2pfl run EXP --workers N`` in this process, or on a host with a GPU in a fresh one:
+    autograd, once this process has run it there, refuses to run in the ranks it forks."""
+    argv = ["run", str(exp), "--out", str(out), "--quiet", "--workers", str(workers)]
+    if not torch.cuda.device_count():
+        return main(argv)
+    return subprocess.run([sys.executable, "-m", "p2pfl", *argv], cwd=ROOT, timeout=300).returncode
 
 
 def test_owners_are_longest_first_to_the_least_loaded_rank():
@@ -65,7 +76,7 @@ def test_world_sizes_1_2_and_4_write_the_same_bytes(tmp_path, sections):
     runs = {}
     for n in (1, 2, 4):
         out = tmp_path / f"w{n}"
-        assert main(["run", str(exp), "--out", str(out), "--quiet", "--workers", str(n)]) == 0
+        assert spread(exp, out, n) == 0
         runs[n] = outputs(out)
     assert runs[2] == runs[1] and runs[4] == runs[1]
     rows = runs[1]["metrics.csv"].decode().splitlines()
@@ -78,7 +89,7 @@ def test_workers_and_batching_compose(tmp_path):
     runs = {}
     for n in (1, 2):
         out = tmp_path / f"w{n}"
-        assert main(["run", str(exp), "--out", str(out), "--quiet", "--workers", str(n)]) == 0
+        assert spread(exp, out, n) == 0
         runs[n] = outputs(out)
     assert runs[2]["comm.csv"] == runs[1]["comm.csv"]  # same clock and ledger
     one, two = runs[1]["summary"]["final"], runs[2]["summary"]["final"]
@@ -241,3 +252,14 @@ def test_a_failed_collective_is_one_line_naming_its_cause():
     with pytest.raises(RunError, match="^worker rank 1 exited$"), ranks._together():
         raise lost
     assert waited == [1.0]
+
+
+def test_only_a_run_on_cuda_needs_cuda_untouched_before_the_fork(monkeypatch):
+    """CUDA does not survive a fork: a run that trains on it refuses to fork ranks or nodes
+    from a process that has initialized it; a run on the CPU forks from any process."""
+    setup = build(experiment(peers={"count": 3, "device": "cpu"}))
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    setup.check_forkable("ranks")  # a CPU run: no error
+    monkeypatch.setattr(type(setup), "devices", property(lambda _: {torch.device("cuda")}))
+    with pytest.raises(RunError, match="^CUDA was initialized before the ranks were forked$"):
+        setup.check_forkable("ranks")

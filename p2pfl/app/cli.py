@@ -345,27 +345,25 @@ NVML_CHECK = "PYTORCH_NVML_BASED_CUDA_CHECK"
 
 @contextmanager
 def _fork_safe(workers: int) -> Iterator[int]:
-    """While ``--workers N`` builds its run, keep this process fit to fork the other ranks
-    from, and give each rank's thread count. GNU OpenMP's thread pool does not survive a
-    fork (a child that computes on several threads hangs), so until the fork this process
-    computes on one thread, and one that had already imported torch (a test, a notebook:
-    it may have used several) runs every rank on one thread (ranks on different thread
-    counts would not give one process's answer). CUDA, once
-    initialized, does not survive a fork either: its availability is asked of NVML, which
-    torch offers for this."""
-    if workers <= 1:
-        yield 0
-        return
+    """While a command builds its run, keep this process fit to fork ranks (``--workers N``)
+    or nodes (``--transport zmq``, ``p2pfl peer``) from, and give each rank's thread count.
+    CUDA, once initialized, does not survive a fork: its availability is asked of NVML,
+    which torch offers for this. GNU OpenMP's thread pool does not survive one either (a
+    child that computes on several threads hangs), so with ``--workers`` this process
+    computes on one thread until the fork, and one that had already imported torch (a test,
+    a notebook: it may have used several) runs every rank on one thread (ranks on different
+    thread counts would not give one process's answer)."""
     from p2pfl.runtime.children import rank_threads
 
     fresh = "torch" not in sys.modules
     import torch
 
     threads, nvml = torch.get_num_threads(), os.environ.get(NVML_CHECK)
-    torch.set_num_threads(1)
+    if workers > 1:
+        torch.set_num_threads(1)
     os.environ[NVML_CHECK] = "1"
     try:
-        yield rank_threads(workers) if fresh else 1
+        yield 0 if workers <= 1 else rank_threads(workers) if fresh else 1
     finally:
         torch.set_num_threads(threads)
         if nvml is None:
@@ -388,12 +386,9 @@ def _ranks(workers: int, threads: int, setup: Setup) -> Iterator[Ranks | None]:
         if _world()[0] > 1:
             ranks = Ranks.from_env()
         elif workers > 1:
-            import torch
-
             from p2pfl.runtime.children import Workers, free_port
 
-            if torch.cuda.is_initialized():
-                raise RunError("--workers: CUDA was initialized before the ranks were forked")
+            setup.check_forkable("ranks of --workers")
             env = {"WORLD_SIZE": str(workers), "MASTER_ADDR": "127.0.0.1"}
             env["MASTER_PORT"] = str(free_port())
             workers_ = Workers(workers, lambda r: _forked_rank(setup, env, r, threads))
@@ -451,6 +446,11 @@ def _rank_run(setup: Setup, ranks: Ranks | None) -> None:
 
 
 def cmd_peer(args: argparse.Namespace) -> int:
+    with _fork_safe(1):
+        return _peer(args)
+
+
+def _peer(args: argparse.Namespace) -> int:
     from p2pfl.runtime.launcher import fork_nodes, node_ids, read_addresses, run_peer, wait_nodes
     from p2pfl.runtime.sockets import TransportConfig, check_curve_keys
 

@@ -141,7 +141,12 @@ class Trainer:
         return clone_state(self._init[seed])
 
     def module(self, device: torch.device) -> nn.Module:
+        """The template on ``device``. On CUDA, cuDNN is held to deterministic algorithms:
+        a run on a GPU replays bit for bit, as on the CPU (its default wgrad algorithms
+        add with atomics, in no fixed order)."""
         if device not in self._modules:
+            if device.type == "cuda":
+                torch.backends.cudnn.deterministic = True
             self._modules[device] = self._build().to(device)
         return self._modules[device]
 

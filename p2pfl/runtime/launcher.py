@@ -35,7 +35,7 @@ import zmq
 
 from p2pfl.core.errors import ConfigError, RunError
 from p2pfl.core.yaml_io import read_yaml
-from p2pfl.learning.training import optimizer, resolve_device
+from p2pfl.learning.training import optimizer
 from p2pfl.methods.effects import Finish
 from p2pfl.network.codecs import from_section
 from p2pfl.network.ledger import Ledger
@@ -129,9 +129,10 @@ def run_peer(
         setup.network, model_schema(setup.trainer.module(torch.device("cpu"))),
     )  # fmt: skip
     result: dict[str, Any] = {"node": name, "status": "failed"}
-    warm_up(setup)
     started = time.monotonic()
     try:
+        warm_up(setup)
+        started = time.monotonic()  # the run's start, after torch's
         if coordinator:
             addresses = _handshake(zn, coordinator, transport)
         else:
@@ -171,6 +172,7 @@ def fork_nodes(
 ) -> dict[int, Forked]:
     """One process per node of ``nodes``, forked from this one (which has built ``setup``),
     each running :func:`run_peer` with one torch thread, as ``p2pfl NAME`` in ``ps``."""
+    setup.check_forkable("nodes")
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # set before forking: no child inherits a pool it cannot use
     try:
@@ -202,14 +204,24 @@ STOP_GRACE_S = 1.0
 """How long a peer process has to exit after SIGTERM before it is killed."""
 
 
-def warm_up(setup: Setup) -> None:
+def warm_up(setup: Setup, forks: bool = False) -> None:
     """Pay torch's one-off costs (autograd's start, and on a GPU its optimizer's lazy imports:
     over a second, many more when every node starts at once on a few cores) before the run's
     clock starts, so that they do not eat into a method's deadlines. Touches no random
-    stream."""
-    for device in {resolve_device(p.device) for p in setup.population.profiles}:
-        w = torch.zeros(1, requires_grad=True, device=device)
-        w.sum().backward()
+    stream. ``forks``: this process forks the nodes afterwards, so it warms up the
+    optimizer on the CPU alone, for them to inherit; each node does the rest. Neither CUDA
+    nor autograd's engine, once started on a host with a GPU, works in a forked child."""
+    for device in setup.devices:
+        if forks and device.type == "cuda":
+            continue
+        try:
+            w = torch.zeros(1, requires_grad=True, device=device)
+        except RuntimeError as e:  # CUDA's: no memory left for one more process's context
+            raise RunError(f"{device}: {str(e).splitlines()[0]}") from None
+        if forks:
+            w.grad = torch.zeros_like(w)
+        else:
+            w.sum().backward()
         optimizer([w], setup.train).step()
 
 
@@ -256,7 +268,7 @@ def launch(setup: Setup, out: Path, reporters: Reporter) -> Outcome:
     start = time.monotonic()
     startup_s = None
     try:
-        warm_up(setup)  # once, here: every node inherits it
+        warm_up(setup, forks=True)  # once, here: every node inherits it
         procs = fork_nodes(setup, nodes, out, coordinator=endpoint)
         addresses = _gather_hellos(ctl, procs, out, setup, transport)
         startup_s = time.monotonic() - start

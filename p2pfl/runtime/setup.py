@@ -7,11 +7,11 @@ from typing import Any
 
 import torch
 
-from p2pfl.core.errors import ConfigError
+from p2pfl.core.errors import ConfigError, RunError
 from p2pfl.core.options import bind
 from p2pfl.core.seeding import derive_seed
 from p2pfl.data.federated import FederatedData
-from p2pfl.learning.training import TrainConfig, Trainer
+from p2pfl.learning.training import TrainConfig, Trainer, resolve_device
 from p2pfl.methods.attacks import Adversary, attacked
 from p2pfl.methods.base import Method, NodeContext
 from p2pfl.methods.effects import Behaviour
@@ -63,6 +63,18 @@ class Setup:
     @property
     def seed(self) -> int:
         return self.config["seed"]
+
+    @property
+    def devices(self) -> set[torch.device]:
+        """The devices the peers train on."""
+        return {resolve_device(p.device) for p in self.population.profiles}
+
+    def check_forkable(self, what: str) -> None:
+        """Raise :class:`RunError` if this run trains on CUDA and this process has already
+        initialized CUDA, which does not survive a fork: ``what`` (ranks, nodes) would
+        fail in their first CUDA call. A run on the CPU forks from any process."""
+        if torch.cuda.is_initialized() and any(d.type == "cuda" for d in self.devices):
+            raise RunError(f"CUDA was initialized before the {what} were forked")
 
     def behaviour(self, ctx: NodeContext) -> Behaviour:
         """The behaviour node ``ctx.node`` runs: the method's, wrapped if it attacks."""
