@@ -22,6 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import BASE, ROOT, experiment, on_device, peer_pids
+from p2pfl.app.experiment import build
 from p2pfl.core.errors import RunError
 from p2pfl.methods import METHODS
 from p2pfl.methods.effects import Recv
@@ -29,7 +30,7 @@ from p2pfl.network.ledger import Ledger
 from p2pfl.network.message import Message
 from p2pfl.network.topology import build_topology
 from p2pfl.network.wire import encode
-from p2pfl.runtime.launcher import _handshake
+from p2pfl.runtime.launcher import _handshake, warm_up
 from p2pfl.runtime.sockets import TransportConfig, ZmqNode
 
 TIMEOUT = 120.0  # a receive waits for its sender's compute, which is slow on a busy CI box
@@ -408,3 +409,30 @@ def test_a_multi_host_run_merged_has_the_outputs_of_a_launcher_run(tmp_path, cap
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "peers/1/final.bin: not a model frame" in err, err
     assert json.loads((merged / "summary.json").read_text())["status"] == "failed"
+
+
+def test_the_launcher_warms_up_without_autograd_before_it_forks(monkeypatch):
+    """Autograd's engine, once started on a host with a GPU, refuses to run in a forked
+    child: the launcher's warm-up before the fork takes an optimizer step with no backward
+    pass (each peer runs its own)."""
+    setup = build(experiment())
+
+    def no_backward(*args, **kwargs):
+        raise AssertionError("backward before the fork")
+
+    monkeypatch.setattr(torch.Tensor, "backward", no_backward)
+    warm_up(setup, forks=True)
+    with pytest.raises(AssertionError, match="backward before the fork"):
+        warm_up(setup)  # a peer's own warm-up does run it
+
+
+def test_a_device_that_cannot_start_is_one_error_line(monkeypatch):
+    """A peer whose CUDA context does not fit (out of memory) says so in one line."""
+    setup = build(experiment())
+
+    def full(*args, **kwargs):
+        raise RuntimeError("CUDA error: out of memory\nCUDA kernel errors might be ...")
+
+    monkeypatch.setattr(torch, "zeros", full)
+    with pytest.raises(RunError, match=r"^cpu: CUDA error: out of memory$"):
+        warm_up(setup)
