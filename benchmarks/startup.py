@@ -28,6 +28,10 @@ CASES = {
     "the same, --workers 2": [
         "run", "experiments/fedavg-fmnist.yaml", "--set", "algorithm.rounds=1", "--workers", "2",
     ],
+    "the same with LeNet-5, one worker": [
+        "run", "experiments/fedavg-fmnist.yaml", "--set", "algorithm.rounds=1",
+        "--set", "model={name: lenet}",
+    ],
 }  # fmt: skip
 
 

@@ -143,6 +143,8 @@ SIZES = [
     ({"transport": {"max_message_bytes": 2**50}}, "transport.max_message_bytes"),
     ({"model": {"name": "mlp", "hidden": [10**9]}}, "model: has 75,000,000,010 parameters"),
     ({"model": {"name": "mlp", "hidden": [10**5, 10**5]}}, "model: has 10,007,600,010"),
+    # convolutions too large to size even their flatten width: their own count, "or more"
+    ({"model": {"name": "cnn3", "width": 10**5}}, "model: has 180,001,200,000 parameters or more"),
 ]
 
 

@@ -76,3 +76,30 @@ def test_a_run_imports_no_heavy_library_it_does_not_use() -> None:
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip() == "[]"
+
+
+def test_a_convolutional_run_imports_neither_torchs_compiler_nor_sympy() -> None:
+    """Sizing a model on the meta device once ran torch's Python meta kernels, which import
+    ``torch._dynamo`` and sympy: 1-1.5 s and 150 MiB in every command and ``p2pfl peer``
+    process that built a LeNet or a CNN (docs/performance.md). A whole LeNet run, and the
+    other convolutional models built, import neither."""
+    code = """
+import sys, tempfile
+from pathlib import Path
+from p2pfl.app.config import resolve
+from p2pfl.app.experiment import build, run
+from p2pfl.learning.models import build_model
+for name in ("cnn3", "cnn_s"):
+    build_model({"name": name}, (1, 28, 28), 10)
+config = {"name": "conv", "dataset": {"name": "digits"}, "model": {"name": "lenet"},
+          "topology": {"kind": "ring"}, "peers": {"count": 3},
+          "algorithm": {"name": "dfedavgm", "rounds": 1}}
+with tempfile.TemporaryDirectory() as out:
+    run(build(resolve(config, Path("conv.yaml"))), Path(out))
+print(sorted({"torch._dynamo", "sympy"} & set(sys.modules)))
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == "[]"

@@ -30,6 +30,20 @@ def test_every_model_maps_a_batch_to_class_logits(name: str, shape: tuple[int, i
     assert all(t.device.type == "cpu" for t in model.state_dict().values())
 
 
+@pytest.mark.parametrize("shape", [DIGITS, MNIST, CIFAR])
+@pytest.mark.parametrize("name", ["lenet", "cnn3", "cnn_s"])
+def test_a_model_sized_on_the_meta_device_has_the_cpu_models_shapes(name, shape) -> None:
+    """build_model sizes a model on the meta device first, probing its convolutions on the
+    CPU with zero weights: every parameter and buffer gets the shape of the real model's."""
+    with torch.device("meta"):
+        sized = MODELS.get(name)(shape, 10)
+    real = build_model({"name": name}, shape, 10)
+    assert {k: v.shape for k, v in sized.state_dict().items()} == {
+        k: v.shape for k, v in real.state_dict().items()
+    }
+    assert all(t.is_meta for t in sized.state_dict().values()) and sized.training
+
+
 def test_registry_lists_every_builder() -> None:
     assert MODELS.names() == ["cnn3", "cnn_s", "lenet", "mlp", "resnet18"]
 

@@ -60,15 +60,28 @@ def _probe(model: nn.Module, input_shape: InputShape) -> Tensor:
     """Run one all-zero sample through ``model`` in eval mode, without touching its state.
 
     Eval mode keeps BatchNorm running statistics unchanged; the previous mode is restored.
+    A model on the meta device (:func:`build_model` sizes one there) runs on the CPU with
+    zeros for its weights, once its size is checked: torch's meta kernels for convolutions
+    and activations are Python that imports torch's compiler and sympy, about 1 s and
+    150 MiB in every process that builds a convolutional model.
     """
     param = next(model.parameters(), None)
     device = param.device if param is not None else torch.device("cpu")
     dtype = param.dtype if param is not None else torch.float32
+    forward: Callable[[Tensor], Tensor] = model
+    if device.type == "meta":
+        _check_size(model, part=True)
+        device = torch.device("cpu")
+        zeros = {
+            name: torch.zeros(t.shape, dtype=t.dtype, device=device)
+            for name, t in [*model.named_parameters(), *model.named_buffers()]
+        }
+        forward = lambda x: torch.func.functional_call(model, zeros, (x,))  # noqa: E731
     was_training = model.training
     model.eval()
     try:
         with torch.no_grad():
-            return model(torch.zeros(1, *input_shape, device=device, dtype=dtype))
+            return forward(torch.zeros(1, *input_shape, device=device, dtype=dtype))
     finally:
         model.train(was_training)
 
@@ -293,15 +306,22 @@ def build_model(options: dict, input_shape: InputShape, num_classes: int) -> nn.
     fn = MODELS.get(keys.pop("name"))
     pans = Pans(**keys.pop("pans"))
     with torch.device("meta"):  # sized first, without memory: a typo must not allocate 256 GB
-        size = sum(p.numel() for p in fn(tuple(input_shape), num_classes, **keys).parameters())
-    if size > MAX_PARAMETERS:
-        raise ConfigError("", f"has {size:,} parameters; the limit is {MAX_PARAMETERS:,}")
+        _check_size(fn(tuple(input_shape), num_classes, **keys))
     model = fn(tuple(input_shape), num_classes, **keys)
     try:
         encode(hidden_units(model).values(), pans)
     except ConfigError as e:
         raise e.within("pans") from None
     return model
+
+
+def _check_size(model: nn.Module, part: bool = False) -> None:
+    """Refuse a model over :data:`MAX_PARAMETERS` (``part``: a part of one, so the whole has
+    at least as many) before anything of it is allocated."""
+    size = sum(p.numel() for p in model.parameters())
+    if size > MAX_PARAMETERS:
+        more = " or more" if part else ""
+        raise ConfigError("", f"has {size:,} parameters{more}; the limit is {MAX_PARAMETERS:,}")
 
 
 def forward_flops(model: nn.Module, input_shape: InputShape) -> int:
