@@ -131,6 +131,8 @@ def main() -> None:
                 )  # fmt: skip
             lo, hi = runs[min(args.peers)], runs[max(args.peers)]
             span = max(args.peers) - min(args.peers)
+            if not span:  # one peer count: times and memory, but no slope per peer
+                continue
             extra[f"{method}/{allocator}"] = {
                 key: (hi[key] - lo[key]) / span / hi["state_bytes"]
                 for key in ("rss_idle", "rss_idle_trimmed", "rss_peak")
@@ -141,7 +143,8 @@ def main() -> None:
     report("scale", columns, rows, extra | {"goal_per_peer_over_state": 1.5})
     for method in METHODS:
         for allocator in ALLOCATORS:
-            r = extra[f"{method}/{allocator}"]
+            if (r := extra.get(f"{method}/{allocator}")) is None:
+                continue
             print(
                 f"{method}, {allocator}: memory per idle peer {r['rss_idle']:.2f}x its state "
                 f"({r['state_bytes']} bytes), after malloc_trim {r['rss_idle_trimmed']:.2f}x, "
