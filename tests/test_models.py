@@ -10,7 +10,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from p2pfl.core.errors import ConfigError
-from p2pfl.learning.models import MODELS, Hidden, build_model, forward_flops
+from p2pfl.learning.models import (
+    MODELS,
+    Hidden,
+    MaxPool2x2,
+    _ChannelsLastMaxPool,
+    build_model,
+    forward_flops,
+)
 from p2pfl.learning.state import average_states, clone_state, state_bytes
 from p2pfl.learning.training import TrainConfig, optimizer
 
@@ -42,6 +49,58 @@ def test_a_model_sized_on_the_meta_device_has_the_cpu_models_shapes(name, shape)
         k: v.shape for k, v in real.state_dict().items()
     }
     assert all(t.is_meta for t in sized.state_dict().values()) and sized.training
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """A float32 tensor's bit patterns: NaNs and signed zeros compare exactly."""
+    return t.contiguous().view(torch.int32)
+
+
+@pytest.mark.parametrize(
+    "shape", [(32, 6, 24, 24), (5, 16, 8, 8), (3, 4, 7, 9), (2, 130, 3, 2), (3, 50, 30, 31)]
+)
+def test_maxpool2x2_is_nn_maxpool2d_bit_for_bit(shape: tuple[int, ...]) -> None:
+    """Outputs, indices and gradients, on values full of ties, signed zeros, infinities and
+    NaNs (which window element wins decides where the gradient goes); maps pooled in one
+    slice and in several, odd sizes. (MaxPool2x2 sends inputs this small to torch.)"""
+    gen = torch.Generator().manual_seed(0)
+    values = torch.tensor([0.0, -0.0, 1.0, -1.0, 2.0, float("inf"), float("-inf"), float("nan")])
+    tied = values[torch.randint(len(values), shape, generator=gen)]
+    for x in (tied, torch.randn(shape, generator=gen)):
+        ours, ref = x.clone().requires_grad_(), x.clone().requires_grad_()
+        out, expected = _ChannelsLastMaxPool.apply(ours)[0], nn.MaxPool2d(2)(ref)
+        assert torch.equal(bits(out), bits(expected))
+        assert torch.equal(bits(MaxPool2x2()(x)), bits(expected))  # either way it goes
+        g = values[torch.randint(6, expected.shape, generator=gen)]  # finite, signed zeros
+        out.backward(g)
+        expected.backward(g)
+        assert torch.equal(bits(ours.grad), bits(ref.grad))
+        indices = F.max_pool2d(x, 2, return_indices=True)[1]
+        assert torch.equal(_ChannelsLastMaxPool.apply(x)[1], indices)
+
+
+def test_maxpool2x2_trains_stacked_peers_as_nn_maxpool2d() -> None:
+    """Under ``torch.func`` (vmap of grad: peers trained stacked), LeNet with MaxPool2x2
+    gets nn.MaxPool2d's gradients bit for bit (20 samples a peer: its first pool takes the
+    channels-last path, through the vmap rule; its second, smaller, torch's kernel)."""
+    torch.manual_seed(0)
+    ours = [build_model({"name": "lenet"}, MNIST, 10) for _ in range(3)]
+    theirs = copy.deepcopy(ours)
+    for model in theirs:
+        for layer in (model.conv1, model.conv2):
+            layer.pool = nn.MaxPool2d(2)
+    x, y = torch.randn(3, 20, *MNIST), torch.randint(0, 10, (3, 20))
+
+    def grads(models: list[nn.Module]) -> dict[str, torch.Tensor]:
+        params, _ = torch.func.stack_module_state(models)
+
+        def loss(p: dict, xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
+            return F.cross_entropy(torch.func.functional_call(models[0], p, (xb,)), yb)
+
+        return torch.func.vmap(torch.func.grad(loss))(params, x, y)
+
+    mine, reference = grads(ours), grads(theirs)
+    assert all(torch.equal(bits(mine[k]), bits(reference[k])) for k in reference)
 
 
 def test_registry_lists_every_builder() -> None:
