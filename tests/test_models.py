@@ -19,7 +19,7 @@ from p2pfl.learning.models import (
     forward_flops,
 )
 from p2pfl.learning.state import average_states, clone_state, state_bytes
-from p2pfl.learning.training import TrainConfig, optimizer
+from p2pfl.learning.training import TrainConfig, Trainer, optimizer
 
 DIGITS, MNIST, CIFAR = (1, 8, 8), (1, 28, 28), (3, 32, 32)
 
@@ -101,6 +101,19 @@ def test_maxpool2x2_trains_stacked_peers_as_nn_maxpool2d() -> None:
 
     mine, reference = grads(ours), grads(theirs)
     assert all(torch.equal(bits(mine[k]), bits(reference[k])) for k in reference)
+
+
+def test_a_seeds_initial_model_is_the_builder_after_torch_manual_seed() -> None:
+    """``Trainer.init_state(seed)`` is what building after ``torch.manual_seed(seed)`` gives
+    (the authors' scripts seed so), and it leaves the process's random state alone."""
+    trainer = Trainer({"name": "lenet"}, MNIST, 10)
+    before = torch.get_rng_state()
+    state = trainer.init_state(7)
+    assert torch.equal(torch.get_rng_state(), before)
+    torch.manual_seed(7)
+    expected = build_model({"name": "lenet"}, MNIST, 10).state_dict()
+    assert state.keys() == expected.keys()
+    assert all(torch.equal(state[k], expected[k]) for k in expected)
 
 
 def test_registry_lists_every_builder() -> None:
