@@ -209,7 +209,11 @@ def test_an_interrupted_spread_run_ends_as_interrupted(tmp_path, signum, group):
 BAD = [
     (["--workers", "0"], {}, "--workers: must be in 1..1024"),
     (["--workers", "2", "--transport", "zmq"], {}, "--workers: spreads a simulation"),
-    (["--workers", "2"], {"sweep": {"seed": [0, 1]}}, "--workers: spreads one experiment"),
+    (
+        ["--workers", "2", "--transport", "zmq"],
+        {"sweep": {"seed": [0, 1]}},
+        "--workers: spreads a simulation",
+    ),
     (
         ["--workers", "2"],
         {"peers": {"count": 4, "compute": "measured"}},

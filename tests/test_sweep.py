@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import csv
 import json
+import os
+import signal
 import statistics
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
@@ -12,7 +17,7 @@ import yaml
 
 from p2pfl.app import sweep
 from p2pfl.app.cli import main
-from p2pfl.core.errors import ConfigError
+from p2pfl.core.errors import ConfigError, RunError
 from p2pfl.reporting import plots
 
 BASE = {
@@ -122,6 +127,89 @@ def test_a_second_run_skips_finished_cells_and_reruns_changed_ones(tmp_path, mon
     changed = write(tmp_path, grid, train=BASE["train"] | {"lr": 0.1})
     assert main(["run", changed, "--out", str(out), "--quiet"]) == 0
     assert len(calls) == 3
+
+
+def outputs(out, cell):
+    """A cell's outputs, wall times left out."""
+    summary = json.loads((out / cell / "summary.json").read_text())
+    files = [(out / cell / f).read_bytes() for f in ("metrics.csv", "comm.csv", "partition.csv")]
+    return {k: v for k, v in summary.items() if "wall" not in k}, files
+
+
+def test_a_sweep_on_two_workers_writes_what_one_writes(tmp_path, capsys, monkeypatch):
+    """``--workers 2`` runs two cells at a time, each in a forked child: the same tables
+    (but wall times), the same outputs in every cell, each cell reported once."""
+    monkeypatch.setattr(plots, "plot_runs", lambda *args: [])  # figures: the test above
+    grid = {"algorithm": ["dfedavgm"], "topology": ["ring", "mesh"], "seed": [0, 1, 2]}
+    file = write(tmp_path, grid)
+    for workers in ("1", "2"):
+        out = tmp_path / workers
+        assert main(["run", file, "--out", str(out), "--quiet", "--workers", workers]) == 0
+    printed = capsys.readouterr().out
+    one, two = rows(tmp_path / "1" / "cells.csv"), rows(tmp_path / "2" / "cells.csv")
+    assert [c["status"] for c in two] == ["ok"] * 6
+    timeless = [[{k: v for k, v in c.items() if k != "wall_time_s"} for c in t] for t in (one, two)]
+    assert timeless[0] == timeless[1]
+    tables = [(tmp_path / w / "sweep.csv").read_bytes() for w in ("1", "2")]
+    assert tables[0] == tables[1]
+    for cell in (c["cell"] for c in one):
+        assert outputs(tmp_path / "1", cell) == outputs(tmp_path / "2", cell)
+        assert printed.count(f"] {cell}: ok") == 2
+
+
+def test_a_cell_that_fails_or_dies_on_a_worker_is_reported_and_the_rest_run(tmp_path, monkeypatch):
+    """A cell whose run fails gets its reason in cells.csv, as on one worker; one whose
+    process dies gets its exit code; the other cells run, and the sweep exits with 1."""
+    monkeypatch.setattr(plots, "plot_runs", lambda *args: [])
+    real_run = sweep.run
+
+    def run(setup, out, *args):  # the children are forked: they call this too
+        seed = setup.config["seed"]
+        if seed == 1:
+            raise RunError("deadlock: nobody can move")
+        if seed == 2:
+            os._exit(3)
+        return real_run(setup, out, *args)
+
+    monkeypatch.setattr(sweep, "run", run)
+    file = write(tmp_path, {"algorithm": ["dfedavgm"], "topology": ["ring"], "seed": [0, 1, 2, 3]})
+    out = tmp_path / "out"
+    assert main(["run", file, "--out", str(out), "--quiet", "--workers", "2"]) == 1
+    cells = rows(out / "cells.csv")
+    assert [(c["status"], c["reason"]) for c in cells] == [
+        ("ok", ""),
+        ("failed", "deadlock: nobody can move"),
+        ("failed", "its process ended with exit code 3"),
+        ("ok", ""),
+    ]
+
+
+def test_ctrl_c_ends_a_sweeps_running_cells_as_interrupted_runs(tmp_path):
+    """Ctrl-C (SIGINT to the command's process group) on ``--workers 2``: the sweep stops
+    its two running cells, each writes ``summary.json`` saying ``interrupted``, and the
+    command ends with one line and exit code 130, as one run does."""
+    grid = {"topology": ["ring"], "seed": [0, 1]}
+    file = write(tmp_path, grid, algorithm={"name": "dfedavgm", "rounds": 100_000})
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "p2pfl", "run", file, "--out", str(out), "--quiet"]
+    proc = subprocess.Popen(
+        [*cmd, "--workers", "2"], env=os.environ | {"OMP_NUM_THREADS": "1"},
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )  # fmt: skip
+    cells = [out / f"topology=ring,seed={s}" for s in (0, 1)]
+    metrics = [cell / "metrics.csv" for cell in cells]
+    try:
+        for _ in range(600):  # both cells under way: a few rounds scored (at most a minute)
+            if all(m.is_file() and len(m.read_text().splitlines()) > 3 for m in metrics):
+                break
+            time.sleep(0.1)
+        os.killpg(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130 and err == "error: interrupted (SIGINT)\n", err
+    for cell in cells:
+        assert json.loads((cell / "summary.json").read_text())["status"] == "interrupted"
 
 
 @pytest.mark.parametrize(

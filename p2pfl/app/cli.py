@@ -68,7 +68,8 @@ def parser() -> argparse.ArgumentParser:
         "--workers",
         type=int,
         default=1,
-        help="train on N local processes (torch.distributed); same results as one",
+        help="train on N local processes (torch.distributed), or run N cells of a sweep at a "
+        "time; same results as one",
     )
 
     peer = sub.add_parser("peer", help="run one node of a real (ZeroMQ) run, e.g. on another host")
@@ -237,7 +238,9 @@ def _run(args: argparse.Namespace, threads: int) -> int:
         check_fresh(out, args.force, reuse=not args.force)
         file = Path(args.experiment)
         claim = lambda: _claimed(out, args.force)  # noqa: E731 - taken once every cell is checked
-        return run_sweep(file, raw, grid, out, not args.quiet, args.transport, claim)
+        return run_sweep(
+            file, raw, grid, out, not args.quiet, args.transport, claim, args.workers, threads
+        )
     name = raw.get("name", Path(args.experiment).stem)
     out = output_dir(args.out or f"runs/{name}-seed{raw.get('seed', 0)}")
     check_fresh(out, args.force)
@@ -320,18 +323,19 @@ def _world() -> tuple[int, int]:
 
 
 def _check_workers(args: argparse.Namespace, sweep: bool) -> bool:
-    """Whether this run is spread over ranks (``--workers``, or started by ``torchrun``)."""
+    """Whether this run is spread over ranks (``--workers``, or started by ``torchrun``);
+    a sweep's ``--workers`` runs that many of its cells at a time instead."""
     if not 1 <= args.workers <= MAX_WORKERS:
         raise ConfigError("--workers", f"must be in 1..{MAX_WORKERS}, got {args.workers}")
     under_torchrun = _world()[0] > 1
     if args.workers > 1 and under_torchrun:
         raise ConfigError("--workers", "torchrun already starts the ranks; leave --workers out")
+    if under_torchrun and sweep:
+        raise ConfigError("torchrun", "spreads one experiment, not a sweep: use --workers")
     spread = args.workers > 1 or under_torchrun
-    if spread and sweep:
-        raise ConfigError("--workers", "spreads one experiment, not a sweep")
     if spread and args.transport != "sim":
         raise ConfigError("--workers", "spreads a simulation (--transport sim)")
-    return spread
+    return spread and not sweep
 
 
 def _check_spread(setup: Setup) -> None:

@@ -16,18 +16,24 @@ Cell ``i`` runs in ``OUT/KEY=LABEL,KEY=LABEL,...``; it is resumable: a cell whos
 again. At the end the sweep writes ``cells.csv`` (one row per cell), ``sweep.csv`` (one
 row per combination of the non-seed keys: mean ± sample std over its runs of final
 accuracy, total bytes and simulated time), prints that table, and draws its figures
-(:mod:`p2pfl.reporting.plots`).
+(:mod:`p2pfl.reporting.plots`). With ``workers`` > 1 (``--workers N``) the cells run that
+many at a time, each in a process forked from this one; the tables come out the same.
 """
 
 from __future__ import annotations
 
 import copy
 import csv
+import functools
 import itertools
 import json
+import os
 import re
+import signal
 import statistics
-from collections.abc import Callable, Sequence
+import subprocess
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,6 +51,8 @@ SHORTHAND = {"topology": "kind"}
 CELL_COLUMNS = ["cell", "status", "reason", "accuracy", "total_bytes", "sim_time_s", "wall_time_s"]
 STATS = ("accuracy", "total_bytes", "sim_time_s")
 MAX_NAME_BYTES = 255  # a file name, on every file system we know
+STOP_GRACE_S = 10.0
+"""How long a stopped sweep waits for each running cell to write its outputs and end."""
 
 
 @dataclass
@@ -264,35 +272,120 @@ def run_sweep(
     progress: bool,
     transport: str = "sim",
     claim: Callable[[], AbstractContextManager[Any]] = nullcontext,
+    workers: int = 1,
+    threads: int = 0,
 ) -> int:
     """Check every cell, then (inside ``claim()``: the command line's lock on ``out``) run
-    them under ``out``; write the tables and figures. Returns the exit code: 1 if a cell's
-    run failed, else 0."""
+    them under ``out``, ``workers`` at a time (each then in its own process, on ``threads``
+    torch threads); write the tables and figures. Returns the exit code: 1 if a cell's run
+    failed, else 0."""
     with loaded_once():  # every cell is built twice: checked first, then run
         todo = cells(raw, grid, file)
         skipped = misfits(todo, file, transport)
         with claim():
-            return _run_cells(todo, skipped, grid, out, progress, transport)
+            done: Iterable[tuple[int, dict[str, Any]]]
+            if workers > 1:
+                done = _in_parallel(todo, skipped, out, transport, workers, threads)
+            else:
+                rows = (_cell_row(c, out, progress, transport, skipped) for c in todo)
+                done = enumerate(rows)
+            return _run_cells(todo, done, grid, out)
+
+
+def _cell_row(
+    cell: Cell, out: Path, progress: bool, transport: str, skipped: dict[str, str]
+) -> dict[str, Any]:
+    """:func:`run_cell` for ``cell`` in its directory under ``out``."""
+    return run_cell(cell, out / cell.name, progress, transport, skipped.get(cell.name))
+
+
+def _in_parallel(
+    todo: list[Cell],
+    skipped: dict[str, str],
+    out: Path,
+    transport: str,
+    workers: int,
+    threads: int,
+) -> Iterator[tuple[int, dict[str, Any]]]:
+    """Run the cells ``workers`` at a time, each in a child forked from this process (which
+    loaded the data and checked every cell: the children share that memory and start at
+    once), on ``threads`` torch threads; yield ``(index, row)`` as they end. A child that
+    dies without its row is a failed cell. Every child is stopped if this process is."""
+    import matplotlib.figure  # noqa: F401 - once here: each cell draws its figures in its child
+
+    from p2pfl.runtime.children import Forked
+
+    pending = list(enumerate(todo))
+    running: dict[int, tuple[Forked, int]] = {}
+    try:
+        while pending or running:
+            while pending and len(running) < workers:
+                i, cell = pending.pop(0)
+                if cell.name in skipped or finished(out / cell.name, cell.config) is not None:
+                    yield i, _cell_row(cell, out, False, transport, skipped)  # nothing to run
+                    continue
+                read, write = os.pipe()
+                main = functools.partial(_cell_child, cell, out, transport, skipped, threads, write)
+                child = Forked(main, "p2pfl-cell")
+                os.close(write)
+                running[i] = (child, read)
+            ended = [i for i, (child, _) in running.items() if child.poll() is not None]
+            if not ended:
+                time.sleep(0.02)
+            for i in ended:
+                child, read = running.pop(i)
+                with os.fdopen(read, "rb") as pipe:
+                    told = pipe.read()
+                gone = {"cell": todo[i].name, "status": "failed"}
+                gone["reason"] = f"its process ended with exit code {child.returncode}"
+                yield i, json.loads(told) if told else gone
+    finally:  # stopped (Ctrl-C, SIGTERM) or failed: the cells end as interrupted runs do
+        for child, _ in running.values():
+            child.send_signal(signal.SIGTERM)
+        for child, read in running.values():
+            try:
+                child.wait(STOP_GRACE_S)
+            except subprocess.TimeoutExpired:
+                child.kill()
+                child.wait()
+            os.close(read)
+
+
+def _cell_child(
+    cell: Cell, out: Path, transport: str, skipped: dict[str, str], threads: int, write: int
+) -> int:
+    """One cell in its forked child: run it and send its row back through ``write``. Ctrl-C
+    is the sweep's to handle: it stops its cells with SIGTERM, which a run ends on as on
+    Ctrl-C (``summary.json`` says ``interrupted``)."""
+    import torch
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if threads:
+        torch.set_num_threads(threads)
+    row = _cell_row(cell, out, False, transport, skipped)
+    with os.fdopen(write, "wb") as pipe:
+        pipe.write(json.dumps(row).encode())
+    return 0
 
 
 def _run_cells(
     todo: list[Cell],
-    skipped: dict[str, str],
+    done: Iterable[tuple[int, dict[str, Any]]],
     grid: dict[str, list[Any]],
     out: Path,
-    progress: bool,
-    transport: str,
 ) -> int:
+    """Report each cell's row as it ends, then write the tables and figures (rows in the
+    grid's order, however the cells ran)."""
     from p2pfl.reporting import plots
 
     out.mkdir(parents=True, exist_ok=True)
-    rows = []
-    for i, cell in enumerate(todo, 1):
-        misfit = skipped.get(cell.name)
-        row = run_cell(cell, out / cell.name, progress, transport, misfit) | cell.labels
-        rows.append(row)
+    by_index: dict[int, dict[str, Any]] = {}
+    for n, (i, row) in enumerate(done, 1):
+        cell = todo[i]
+        by_index[i] = row = row | cell.labels
         detail = f"accuracy {row['accuracy']:.4f}" if "accuracy" in row else row["reason"]
-        print(f"[{i}/{len(todo)}] {cell.name}: {row['status']} ({detail})", flush=True)
+        print(f"[{n}/{len(todo)}] {cell.name}: {row['status']} ({detail})", flush=True)
+    rows = [by_index[i] for i in range(len(todo))]
     write_csv(out / "cells.csv", rows, [*grid, *CELL_COLUMNS])
     summary = table(grid, rows)
     keys = [k for k in grid if k != "seed"]
