@@ -51,6 +51,9 @@ SHORTHAND = {"topology": "kind"}
 CELL_COLUMNS = ["cell", "status", "reason", "accuracy", "total_bytes", "sim_time_s", "wall_time_s"]
 STATS = ("accuracy", "total_bytes", "sim_time_s")
 MAX_NAME_BYTES = 255  # a file name, on every file system we know
+REASON_CHARS = 2000
+"""A failed cell's reason as a forked cell reports it, at most: its row stays well inside the
+64 KiB a pipe holds, so the cell's one write never waits for the sweep to read."""
 STOP_GRACE_S = 10.0
 """How long a stopped sweep waits for each running cell to write its outputs and end."""
 
@@ -363,7 +366,8 @@ def _cell_child(
     if threads:
         torch.set_num_threads(threads)
     row = _cell_row(cell, out, False, transport, skipped)
-    with os.fdopen(write, "wb") as pipe:
+    row["reason"] = row["reason"][:REASON_CHARS]
+    with os.fdopen(write, "wb") as pipe:  # read once this process has ended
         pipe.write(json.dumps(row).encode())
     return 0
 
