@@ -93,7 +93,7 @@ class _ChannelsLastMaxPool(torch.autograd.Function):
         n, c, h, w = x.shape
         maps = x.reshape(n * c, h, w)
         out = x.new_empty(n * c, h // 2, w // 2)
-        idx = torch.empty(out.shape, dtype=torch.long)
+        idx = torch.empty(out.shape, dtype=torch.long, device=x.device)
         step = max(1, _POOL_SLICE // (h * w))
         for i in range(0, n * c, step):
             part = maps[i : i + step].unsqueeze(0).contiguous(memory_format=torch.channels_last)
