@@ -231,6 +231,19 @@ def test_a_run_that_cannot_be_spread_is_one_error_line(tmp_path, capsys, argv, s
     assert not out.exists()
 
 
+def test_torchrun_on_a_sweep_is_one_error_line(tmp_path, capsys, monkeypatch):
+    """torchrun spreads one experiment; a sweep's cells spread with --workers instead."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    out = tmp_path / "out"
+    code = main(["run", str(exp_file(tmp_path, sweep={"seed": [0, 1]})), "--out", str(out)])
+    err = capsys.readouterr().err
+    assert (
+        code == 2 and err == "error: torchrun: spreads one experiment, not a sweep: use --workers\n"
+    )
+    assert not out.exists()
+
+
 @pytest.mark.parametrize("env", [{"WORLD_SIZE": "two", "RANK": "0"}, {"RANK": "1.5"}])
 def test_a_malformed_torchrun_environment_is_one_error_line(tmp_path, capsys, monkeypatch, env):
     for key, value in env.items():
