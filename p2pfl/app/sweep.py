@@ -31,7 +31,6 @@ import os
 import re
 import signal
 import statistics
-import subprocess
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, nullcontext
@@ -316,7 +315,7 @@ def _in_parallel(
     dies without its row is a failed cell. Every child is stopped if this process is."""
     import matplotlib.figure  # noqa: F401 - once here: each cell draws its figures in its child
 
-    from p2pfl.runtime.children import Forked
+    from p2pfl.runtime.children import Forked, stop
 
     pending = list(enumerate(todo))
     running: dict[int, tuple[Forked, int]] = {}
@@ -343,14 +342,8 @@ def _in_parallel(
                 gone["reason"] = f"its process ended with exit code {child.returncode}"
                 yield i, json.loads(told) if told else gone
     finally:  # stopped (Ctrl-C, SIGTERM) or failed: the cells end as interrupted runs do
-        for child, _ in running.values():
-            child.send_signal(signal.SIGTERM)
-        for child, read in running.values():
-            try:
-                child.wait(STOP_GRACE_S)
-            except subprocess.TimeoutExpired:
-                child.kill()
-                child.wait()
+        stop([child for child, _ in running.values()], STOP_GRACE_S)
+        for _, read in running.values():
             os.close(read)
 
 

@@ -21,7 +21,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from p2pfl.core.errors import RunError
 
@@ -106,6 +106,22 @@ class Forked:
 
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
+
+
+def stop(children: Iterable[Forked], grace_s: float) -> None:
+    """Terminate every child still running: SIGTERM (each ends as on Ctrl-C, writing what it
+    must), then SIGKILL for any not gone ``grace_s`` seconds later (a hung one gets no
+    longer)."""
+    live = [c for c in children if c.poll() is None]
+    for c in live:
+        c.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for c in live:
+        try:
+            c.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            c.kill()
+            c.wait()
 
 
 def _child(main: Callable[[], int], name: str) -> None:

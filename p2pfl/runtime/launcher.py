@@ -19,8 +19,6 @@ from __future__ import annotations
 import csv
 import json
 import re
-import signal
-import subprocess
 import sys
 import time
 from collections.abc import Set
@@ -42,7 +40,7 @@ from p2pfl.network.ledger import Ledger
 from p2pfl.network.message import Message
 from p2pfl.network.wire import WireError, decode, encode
 from p2pfl.reporting.reporters import CsvReporter, Reporter
-from p2pfl.runtime.children import Forked
+from p2pfl.runtime.children import Forked, stop
 from p2pfl.runtime.setup import Setup
 from p2pfl.runtime.sockets import Crashed, TransportConfig, ZmqNode, model_schema
 from p2pfl.runtime.worker import Worker
@@ -193,7 +191,7 @@ def wait_nodes(procs: dict[int, Forked], setup: Setup) -> int:
     try:
         codes = {n: p.wait() for n, p in procs.items()}
     finally:
-        _stop(procs)
+        stop(procs.values(), STOP_GRACE_S)
     failed = [setup.topology.name(n) for n, code in codes.items() if code != 0]
     if failed:
         raise RunError(f"node(s) {', '.join(failed)} failed")
@@ -283,7 +281,7 @@ def launch(setup: Setup, out: Path, reporters: Reporter) -> Outcome:
             time.sleep(0.05)
         _check(procs, out, setup, crashed)
     finally:
-        _stop(procs)
+        stop(procs.values(), STOP_GRACE_S)
         ctl.close()
         context.term()
         comm = _merge(out, nodes, setup, reporters)
@@ -351,21 +349,6 @@ def _check(
             raise RunError(f"peer {name} failed: {reason}")
         how = f"signal {-code}" if code < 0 else f"exit code {code}"
         raise RunError(f"peer {name} died ({how})")
-
-
-def _stop(procs: dict[int, Forked]) -> None:
-    """Terminate every peer process still running (SIGTERM, then SIGKILL after
-    ``STOP_GRACE_S``: a stopped or hung process gets no longer)."""
-    live = [p for p in procs.values() if p.poll() is None]
-    for p in live:
-        p.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + STOP_GRACE_S
-    for p in live:
-        try:
-            p.wait(max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
 
 
 def _rows(path: Path) -> list[list[str]]:
