@@ -40,7 +40,8 @@ CASES = {
 
 
 def timed(fn: Callable[[], object], seconds: float = 0.2) -> float:
-    """Median seconds per call of ``fn`` over loops of about ``seconds`` each."""
+    """Mean seconds per call of ``fn`` over a loop of about ``seconds`` (after one warm-up
+    call); :func:`case` takes the median of several such loops."""
     fn()
     start, n = time.perf_counter(), 0
     while time.perf_counter() - start < seconds:
