@@ -366,17 +366,32 @@ def resolve_model(options: dict) -> dict[str, Any]:
 
 def build_model(options: dict, input_shape: InputShape, num_classes: int) -> nn.Module:
     """Build the model described by the YAML ``model:`` mapping (``name`` plus its keys)."""
+    return model_builder(options, input_shape, num_classes)()
+
+
+def model_builder(
+    options: dict, input_shape: InputShape, num_classes: int
+) -> Callable[[], nn.Module]:
+    """A function that builds the model of ``options``, checked once here: its keys and
+    its size (on the meta device: a typo must not allocate 256 GB). A trainer
+    builds its model again for each seed and device, and the checks cost 3-4 times the
+    build of a small MLP (366 µs against 88 µs for the digits MLP)."""
     keys = resolve_model(options)
     fn = MODELS.get(keys.pop("name"))
     pans = Pans(**keys.pop("pans"))
-    with torch.device("meta"):  # sized first, without memory: a typo must not allocate 256 GB
-        _check_size(fn(tuple(input_shape), num_classes, **keys))
-    model = fn(tuple(input_shape), num_classes, **keys)
-    try:
-        encode(hidden_units(model).values(), pans)
-    except ConfigError as e:
-        raise e.within("pans") from None
-    return model
+    shape = tuple(input_shape)
+
+    def build() -> nn.Module:
+        model = fn(shape, num_classes, **keys)
+        try:
+            encode(hidden_units(model).values(), pans)
+        except ConfigError as e:
+            raise e.within("pans") from None
+        return model
+
+    with torch.device("meta"):
+        _check_size(fn(shape, num_classes, **keys))
+    return build
 
 
 def _check_size(model: nn.Module, part: bool = False) -> None:

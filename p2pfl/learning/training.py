@@ -18,7 +18,7 @@ from torch import nn
 from p2pfl.core.errors import ConfigError
 from p2pfl.core.options import bind
 from p2pfl.data.federated import PeerData
-from p2pfl.learning.models import InputShape, build_model, forward_flops
+from p2pfl.learning.models import InputShape, forward_flops, model_builder
 from p2pfl.learning.state import State, clone_state
 
 # Extra loss term: ``regularizer(module, ce)`` is added to the cross-entropy ``ce``.
@@ -125,7 +125,7 @@ class Trainer:
     """Trains and scores states of one architecture; also its FLOP-based compute model."""
 
     def __init__(self, model_options: dict[str, Any], input_shape: InputShape, num_classes: int):
-        self._build = lambda: build_model(model_options, input_shape, num_classes)
+        self._build = model_builder(model_options, input_shape, num_classes)
         self._modules: dict[torch.device, nn.Module] = {torch.device("cpu"): self._build()}
         self.forward_flops = forward_flops(self._modules[torch.device("cpu")], input_shape)
         self.busy_s = 0.0  # wall time spent inside train/evaluate (the overhead floor)
