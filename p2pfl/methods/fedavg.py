@@ -91,6 +91,8 @@ class FedAvg(Method):
         deadline as many of those reachable (``among``) as there are, up to K."""
         k = max(1, round_half(self.participation * len(peers)))
         pool = peers if among is None else among
+        if k >= len(pool):  # all of them: the draw would only shuffle them
+            return sorted(pool)
         rng = numpy_rng(seed, "participation", round)
         chosen = rng.choice(pool, min(k, len(pool)), replace=False)
         return sorted(int(p) for p in chosen)
