@@ -102,7 +102,7 @@ def test_sweep_runs_the_grid_skips_misfits_and_writes_the_table(tmp_path, capsys
 
 
 def test_a_second_run_skips_finished_cells_and_reruns_changed_ones(tmp_path, monkeypatch):
-    monkeypatch.setattr(plots, "plot_runs", lambda *args: [])  # figures: the test above
+    monkeypatch.setattr(plots, "figures", lambda *args: {})  # figures: the test above
     monkeypatch.setattr(plots, "sweep_chart", lambda *args: [])
     out = tmp_path / "out"
     grid = {"algorithm": ["fedavg"], "algorithm.rounds": [1], "seed": [0, 1]}
@@ -136,10 +136,10 @@ def outputs(out, cell):
     return {k: v for k, v in summary.items() if "wall" not in k}, files
 
 
-def test_a_sweep_on_two_workers_writes_what_one_writes(tmp_path, capsys, monkeypatch):
-    """``--workers 2`` runs two cells at a time, each in a forked child: the same tables
-    (but wall times), the same outputs in every cell, each cell reported once."""
-    monkeypatch.setattr(plots, "plot_runs", lambda *args: [])  # figures: the test above
+def test_a_sweep_on_two_workers_writes_what_one_writes(tmp_path, capsys):
+    """``--workers 2`` runs two cells at a time, each in a forked child, and draws the
+    figures in two processes: the same tables (but wall times), the same outputs in every
+    cell, each cell reported once, the same pictures."""
     grid = {"algorithm": ["dfedavgm"], "topology": ["ring", "mesh"], "seed": [0, 1, 2]}
     file = write(tmp_path, grid)
     for workers in ("1", "2"):
@@ -155,12 +155,33 @@ def test_a_sweep_on_two_workers_writes_what_one_writes(tmp_path, capsys, monkeyp
     for cell in (c["cell"] for c in one):
         assert outputs(tmp_path / "1", cell) == outputs(tmp_path / "2", cell)
         assert printed.count(f"] {cell}: ok") == 2
+    for stem in ("sweep", "accuracy", "traffic", "partition-1", "partition-2", "partition-3"):
+        pictures = [(tmp_path / w / f"{stem}.png").read_bytes() for w in ("1", "2")]
+        assert pictures[0] == pictures[1], stem
+        assert (tmp_path / "2" / f"{stem}.svg").is_file()
+
+
+def test_a_figure_that_fails_on_a_worker_is_one_error_line(tmp_path, capsys, monkeypatch):
+    """The figure drawn in the forked child fails: the sweep says so and exits with 1,
+    its tables written."""
+
+    def figures(paths):
+        return {"accuracy": lambda: 1 / 0}  # the second drawing: the child's
+
+    monkeypatch.setattr(plots, "figures", figures)
+    file = write(tmp_path, {"algorithm": ["dfedavgm"], "topology": ["ring"], "seed": [0]})
+    out = tmp_path / "out"
+    assert main(["run", file, "--out", str(out), "--quiet", "--workers", "2"]) == 1
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "error: drawing the sweep's figures failed (exit status 1)"
+    )
+    assert (out / "sweep.csv").is_file() and (out / "sweep.png").is_file()
 
 
 def test_a_cell_that_fails_or_dies_on_a_worker_is_reported_and_the_rest_run(tmp_path, monkeypatch):
     """A cell whose run fails gets its reason in cells.csv, as on one worker; one whose
     process dies gets its exit code; the other cells run, and the sweep exits with 1."""
-    monkeypatch.setattr(plots, "plot_runs", lambda *args: [])
+    monkeypatch.setattr(plots, "figures", lambda *args: {})
     real_run = sweep.run
 
     def run(setup, out, *args):  # the children are forked: they call this too

@@ -291,7 +291,7 @@ def run_sweep(
             else:
                 rows = (_cell_row(c, out, progress, transport, skipped) for c in todo)
                 done = enumerate(rows)
-            return _run_cells(todo, done, grid, out)
+            return _run_cells(todo, done, grid, out, workers)
 
 
 def _cell_row(
@@ -370,9 +370,10 @@ def _run_cells(
     done: Iterable[tuple[int, dict[str, Any]]],
     grid: dict[str, list[Any]],
     out: Path,
+    workers: int,
 ) -> int:
     """Report each cell's row as it ends, then write the tables and figures (rows in the
-    grid's order, however the cells ran)."""
+    grid's order, however the cells ran; the figures on ``workers`` processes)."""
     from p2pfl.reporting import plots
 
     out.mkdir(parents=True, exist_ok=True)
@@ -389,11 +390,42 @@ def _run_cells(
     columns = [*keys, "runs", *(f"{s}_{m}" for s in STATS for m in ("mean", "std")), "note"]
     write_csv(out / "sweep.csv", summary, columns)
     print(format_table(keys, summary))
-    plots.sweep_chart(keys, summary, out)
+
+    def save(stem: str, draw: Callable[[], Any]) -> None:
+        plots.save(draw(), out, stem)
+
+    drawings: list[Callable[[], object]] = [
+        functools.partial(plots.sweep_chart, keys, summary, out)
+    ]
     if any(r["status"] in ("ok", "done") for r in rows):
-        plots.plot_runs([out], out)
+        drawings += [functools.partial(save, *item) for item in plots.figures([out]).items()]
+    _spread(drawings, workers)
     print(f"wrote {out / 'sweep.csv'} and figures in {out}")
     return 1 if any(r["status"] == "failed" for r in rows) else 0
+
+
+def _spread(calls: list[Callable[[], object]], workers: int) -> None:
+    """Make ``calls``, here or, with ``workers`` > 1, spread over this process and
+    ``workers - 1`` forked children (a sweep's figures: matplotlib draws on one core, and
+    they took 2 of the 6 s of ``experiments/sweep-digits.yaml`` on two workers)."""
+    if workers <= 1:
+        for call in calls:
+            call()
+        return
+    from p2pfl.runtime.children import Forked
+
+    def share(w: int) -> int:
+        for call in calls[w::workers]:
+            call()
+        return 0
+
+    children = [Forked(functools.partial(share, w), "p2pfl-figure") for w in range(1, workers)]
+    try:
+        share(0)
+    finally:
+        codes = [child.wait() for child in children]
+    if failed := [c for c in codes if c]:
+        raise RunError(f"drawing the sweep's figures failed (exit status {failed[0]})")
 
 
 def load_experiment(

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import csv
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 ANNOTATE_MAX_CELLS = 400  # beyond this many cells the values are not written in
 LABEL_MAX = 60  # beyond this many rows (columns) the figure stops growing and ticks thin out
@@ -19,7 +23,14 @@ def save_heatmap(
     ylabel: str,
     colorbar: str = "",
 ) -> None:
-    """A heat-map PNG of ``matrix`` with a colour bar; values written in when it is small."""
+    """A heat-map PNG of ``matrix`` (:func:`heatmap_figure`)."""
+    heatmap_figure(matrix, title, xlabel, ylabel, colorbar).savefig(path, dpi=100)
+
+
+def heatmap_figure(
+    matrix: np.ndarray, title: str, xlabel: str, ylabel: str, colorbar: str = ""
+) -> Figure:
+    """A heat-map of ``matrix`` with a colour bar; values written in when it is small."""
     from matplotlib.figure import Figure  # renders with Agg, no pyplot state
     from matplotlib.ticker import MaxNLocator
 
@@ -42,7 +53,7 @@ def save_heatmap(
             text = str(v) if integer else f"{v:.3g}"
             color = "black" if v > threshold else "white"
             ax.text(c, i, text, ha="center", va="center", fontsize=7, color=color)
-    fig.savefig(path, dpi=100)
+    return fig
 
 
 def save_matrix_csv(matrix: np.ndarray, path: Path, row: str = "row", col: str = "col") -> None:

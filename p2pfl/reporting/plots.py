@@ -22,6 +22,7 @@ mean over those runs). It writes:
 from __future__ import annotations
 
 import csv
+import functools
 import json
 from bisect import bisect_right
 from collections import defaultdict
@@ -42,7 +43,7 @@ from p2pfl.core.errors import ConfigError
 from p2pfl.core.seeding import derive_seed
 from p2pfl.core.yaml_io import read_yaml
 from p2pfl.network.topology import Topology, build_topology
-from p2pfl.reporting.heatmap import save_heatmap
+from p2pfl.reporting.heatmap import heatmap_figure
 
 FORMATS = ("png", "svg")
 LINES = ("-", "--", ":", "-.")  # line i gets style i, so identical curves stay visible
@@ -297,25 +298,22 @@ def traffic_figure(lines: list[tuple[str, list[Run]]]) -> Figure:
     return fig
 
 
-def save_partitions(lines: list[tuple[str, list[Run]]], out: Path) -> list[Path]:
-    """One heat-map per distinct ``partition.csv``: ``partition-I``, titled by its first run."""
-    seen: set[str] = set()
-    paths = []
+def partition_figures(lines: list[tuple[str, list[Run]]]) -> dict[str, Callable[[], Figure]]:
+    """``partition-I``: a heat-map per distinct ``partition.csv``, titled by its first run."""
+    seen: dict[str, Path] = {}
     for _, runs in lines:
         for run in runs:
-            text = (run.path / "partition.csv").read_text()
-            if text in seen:
-                continue
-            seen.add(text)
-            counts = np.array(
-                [[int(v) for v in row[1:-1]] for row in csv.reader(text.splitlines()[1:])]
-            )
-            for fmt in FORMATS:
-                path = out / f"partition-{len(seen)}.{fmt}"
-                title = f"Samples per peer and class\n{run.path.name}"
-                save_heatmap(counts, path, title, "class", "peer", colorbar="samples")
-                paths.append(path)
-    return paths
+            seen.setdefault((run.path / "partition.csv").read_text(), run.path)
+    return {
+        f"partition-{i}": functools.partial(_partition_figure, text, path.name)
+        for i, (text, path) in enumerate(seen.items(), 1)
+    }
+
+
+def _partition_figure(text: str, name: str) -> Figure:
+    counts = np.array([[int(v) for v in row[1:-1]] for row in csv.reader(text.splitlines()[1:])])
+    title = f"Samples per peer and class\n{name}"
+    return heatmap_figure(counts, title, "class", "peer", colorbar="samples")
 
 
 def online_count(intervals: list[tuple[float, float]], times: np.ndarray) -> np.ndarray:
@@ -379,15 +377,24 @@ def availability_figure(lines: list[tuple[str, list[Run]]]) -> Figure:
     return fig
 
 
+def figures(paths: list[Path]) -> dict[str, Callable[[], Figure]]:
+    """Every figure of the runs (and sweeps) in ``paths`` by file stem, each drawn when
+    called (a sweep on several workers draws them in as many processes)."""
+    lines = expand(paths)
+    drawn = {
+        "accuracy": functools.partial(accuracy_figure, lines),
+        "traffic": functools.partial(traffic_figure, lines),
+    }
+    if any(r.availability is not None for _, runs in lines for r in runs):
+        drawn["availability"] = functools.partial(availability_figure, lines)
+    return drawn | partition_figures(lines)
+
+
 def plot_runs(paths: list[Path], out: Path) -> list[Path]:
     """Every figure of the runs (and sweeps) in ``paths``, written to ``out``."""
-    lines = expand(paths)
-    figures = {"accuracy": accuracy_figure(lines), "traffic": traffic_figure(lines)}
-    if any(r.availability is not None for _, runs in lines for r in runs):
-        figures["availability"] = availability_figure(lines)
+    drawn = {stem: draw() for stem, draw in figures(paths).items()}
     out.mkdir(parents=True, exist_ok=True)  # only once every figure is drawn
-    written = [p for stem, fig in figures.items() for p in save(fig, out, stem)]
-    return written + save_partitions(lines, out)
+    return [p for stem, fig in drawn.items() for p in save(fig, out, stem)]
 
 
 def bar_panels(
