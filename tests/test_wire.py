@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import struct
 
 import numpy as np
@@ -94,6 +95,28 @@ def handmade(schema: bytes, payload: bytes = b"") -> bytes:
 def test_hostile_schemas_are_rejected(schema, reason):
     with pytest.raises(WireError, match=reason):
         decode(handmade(schema, b"\x00" * 8))
+
+
+def entry(**fields) -> bytes:
+    tensor = {"name": "w", "dtype": "float32"} | fields
+    return json.dumps({"meta": {}, "tensors": [tensor]}).encode()
+
+
+@pytest.mark.parametrize(
+    "schema,reason",
+    [
+        (b'{"meta": ' + b"[" * 100_000 + b"]" * 100_000 + b', "tensors": []}', "not JSON"),
+        (b'{"meta": {}, "tensors": [{"name": "w", "shape": [' + b"9" * 5000 + b"]}]}", "not JSON"),
+        (entry(shape=[2**64, 0]), "bad shape"),  # no bytes, but no tensor either
+        (entry(shape=[2**20, 2**20], codec="topk", k=0), "once decoded exceed the limit"),
+    ],
+)
+def test_a_hostile_schema_is_a_wire_error_and_allocates_nothing(schema, reason):
+    """Whatever the schema holds, decoding raises WireError (a receiver drops the frame and
+    goes on): not a RecursionError, a ValueError or an overflow; and a few packed bytes
+    (top-k keeping none of 2**40 entries) never stand for more than ``max_bytes`` decoded."""
+    with pytest.raises(WireError, match=reason):
+        decode(handmade(schema), max_bytes=1 << 30)
 
 
 def test_multipart_frames_decode_without_copying_aligned_parts():

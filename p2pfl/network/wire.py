@@ -52,6 +52,7 @@ DTYPES: dict[str, torch.dtype] = {
 }
 _NAMES = {v: k for k, v in DTYPES.items()}
 _PREFIX = struct.Struct("<4sBBHiiiII")
+_MAX_DIM = 1 << 48  # a dimension torch can hold (one beside a 0 leaves the tensor empty)
 
 Buffer = bytes | bytearray | memoryview
 
@@ -125,7 +126,9 @@ def _spec(e: object, i: int) -> tuple[str, torch.dtype, list[int], int, dict]:
     if (
         not isinstance(shape, list)
         or len(shape) > 8
-        or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
+        or not all(
+            isinstance(d, int) and not isinstance(d, bool) and 0 <= d < _MAX_DIM for d in shape
+        )
     ):
         raise WireError(f"tensor {name!r}: bad shape {shape!r}")
     nbytes = math.prod(shape) * dtype.itemsize
@@ -191,7 +194,8 @@ def encode(msg: Message, compression: Compression | None = None) -> bytearray:
 
 
 def decode(frame: Buffer | Sequence[Buffer], max_bytes: int = MAX_FRAME_BYTES) -> Message:
-    """Parse and check one frame; raise :class:`WireError` with the reason if it is bad.
+    """Parse and check one frame; raise :class:`WireError` with the reason if it is bad
+    (``max_bytes`` bounds the frame and its tensors once decoded).
 
     ``frame`` is one buffer, or the parts of a multipart message as ``encode_parts`` makes
     them. Tensors are never copied twice: they view a ``bytearray`` frame (which decode
@@ -218,7 +222,10 @@ def decode(frame: Buffer | Sequence[Buffer], max_bytes: int = MAX_FRAME_BYTES) -
         raise WireError("schema length out of range")
     try:
         schema = json.loads(bytes(head[_PREFIX.size : _PREFIX.size + head_len]))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (
+        ValueError,
+        RecursionError,
+    ) as e:  # bad UTF-8 or JSON, a 5,000-digit number, deep nesting
         raise WireError(f"schema is not JSON: {e}") from None
     if not isinstance(schema, dict):
         raise WireError("schema is not a JSON object")
@@ -235,6 +242,9 @@ def decode(frame: Buffer | Sequence[Buffer], max_bytes: int = MAX_FRAME_BYTES) -
     specs = [_spec(e, i) for i, e in enumerate(entries)]
     if len({name for name, *_ in specs}) != len(specs):
         raise WireError("a tensor name appears twice")
+    decoded = sum(math.prod(shape) * dtype.itemsize for _, dtype, shape, _, _ in specs)
+    if decoded > max_bytes:  # a codec's few bytes (top-k with k = 0) may stand for many
+        raise WireError(f"tensors of {decoded} bytes once decoded exceed the limit of {max_bytes}")
     if sum(n for *_, n, _ in specs) != sum(p.nbytes for p in payload):
         raise WireError("tensor sizes do not add up to the frame's payload")
     received = [p for p in payload if p.nbytes]
