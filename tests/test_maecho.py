@@ -34,6 +34,7 @@ from p2pfl.methods.maecho import (
 )
 from p2pfl.network.message import Message
 from p2pfl.network.wire import encode
+from p2pfl.runtime.sim import SimRuntime
 
 F64 = torch.float64
 CPU = torch.device("cpu")
@@ -435,3 +436,38 @@ def test_bad_keys_are_config_errors(key, value) -> None:
     with pytest.raises(ConfigError) as err:
         build(experiment(topology={"kind": "star"}, algorithm={"name": "maecho", key: value}))
     assert err.value.key == f"algorithm.{key}"
+
+
+@pytest.mark.parametrize(
+    "algorithm",
+    [
+        {"name": "maecho", "placement": "mesh", "tau": 5, "batch_size": 16, "ensemble": False},
+        {"name": "regmean", "placement": "mesh", "select": "final"},
+    ],
+)
+def test_mesh_peers_merge_the_same_values_under_a_compression_section(tmp_path, algorithm):
+    """With ``compression:`` packing every model in int8, each mesh peer takes its own upload
+    as the others decode it, so all of them end with the same model, bit for bit (a peer
+    that merged its exact model with the others' int8 copies ended apart from them)."""
+    finals = {}
+    real = SimRuntime.run
+
+    def run(self, behaviours):
+        finals.update(real(self, behaviours))
+        return finals
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(SimRuntime, "run", run)
+        summary = run_experiment(
+            tmp_path,
+            model={"name": "mlp", "hidden": [16]},
+            topology={"kind": "mesh"},
+            peers={"count": 3},
+            algorithm=algorithm,
+            train={"epochs": 1, "batch_size": 32, "lr": 0.05},
+            compression={"model": {"codec": "int8"}},
+        )
+    assert summary["status"] == "ok"
+    states = [finals[p].state for p in (0, 1, 2)]
+    for state in states[1:]:
+        assert all(torch.equal(state[k], states[0][k]) for k in state)

@@ -22,14 +22,17 @@ from p2pfl.core.errors import ConfigError
 from p2pfl.core.options import Registry
 from p2pfl.data.federated import FederatedData
 from p2pfl.methods.effects import Behaviour, State
+from p2pfl.network.codecs import Compression
 from p2pfl.network.plan import Plan, Transfer
 from p2pfl.network.topology import Topology
 
 
 @dataclass(frozen=True)
 class NodeContext:
-    """What one node knows: who it is, its neighbours, its data size, the shared init, and
-    which keys of a model state are trainable parameters (the others are buffers)."""
+    """What one node knows: who it is, its neighbours, its data size, the shared init,
+    which keys of a model state are trainable parameters (the others are buffers), and the
+    run's ``compression:`` section (how the network packs each message kind: a node that
+    merges its own upload with the others' takes it as they decode it)."""
 
     node: int
     topology: Topology
@@ -37,6 +40,7 @@ class NodeContext:
     seed: int
     init_state: Callable[[], State]
     trainable: frozenset[str]
+    compression: Compression | None = None
 
     @property
     def neighbours(self) -> list[int]:

@@ -54,6 +54,7 @@ from p2pfl.methods.effects import (
     State,
     Train,
 )
+from p2pfl.methods.oneshot.payload import Part, as_received
 from p2pfl.methods.oneshot.placement import UploadOnce, star_centre
 from p2pfl.network.message import Message
 from p2pfl.network.plan import Plan, Transfer
@@ -458,8 +459,8 @@ class MAEcho(UploadOnce):
             yield Finish(msg.tensors)
             return
         msgs = yield from self.uploads(2 * len(targets), 2)
-        received = contributions(msgs)
-        received[ctx.node] = Contribution(local, unpack(tensors, stats.classifier))
+        own = [Part("model", local, {}, None), Part("statistics", tensors, meta, None)]
+        received = contributions(msgs + as_received(own, ctx.node, 1, ctx.compression))
         model = yield from self.combine(received, report=ctx.node == min(ctx.peers))
         yield Evaluate(model, 1)
         yield Finish(model)

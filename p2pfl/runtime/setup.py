@@ -15,6 +15,7 @@ from p2pfl.learning.training import TrainConfig, Trainer, resolve_device
 from p2pfl.methods.attacks import Adversary, attacked
 from p2pfl.methods.base import Method, NodeContext
 from p2pfl.methods.effects import Behaviour
+from p2pfl.network.codecs import from_section
 from p2pfl.network.dynamics import Network
 from p2pfl.network.peers import Population
 from p2pfl.network.topology import Topology
@@ -87,6 +88,7 @@ class Setup:
         init_seed = derive_seed(self.seed, "init")
         params = self.trainer.module(torch.device("cpu")).named_parameters()
         trainable = frozenset(name for name, _ in params)
+        compression = from_section(self.config["compression"])
         return {
             node: NodeContext(
                 node=node,
@@ -97,6 +99,7 @@ class Setup:
                 seed=self.seed,
                 init_state=lambda: self.trainer.init_state(init_seed),
                 trainable=trainable,
+                compression=compression,
             )
             for node in self.topology.graph.nodes
         }

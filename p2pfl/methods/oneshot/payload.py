@@ -22,7 +22,7 @@ from p2pfl.learning.curvature import LayerInfo
 from p2pfl.methods.effects import State
 from p2pfl.methods.oneshot import lowrank
 from p2pfl.methods.oneshot.statistics import StatisticsByKind, factor_dims, factors
-from p2pfl.network.codecs import Codec, Int16, choose
+from p2pfl.network.codecs import Codec, Compression, Int16, choose
 from p2pfl.network.message import Message, Meta
 from p2pfl.network.wire import deliver
 
@@ -80,11 +80,13 @@ def upload_parts(
     return out
 
 
-def as_received(parts: list[Part], node: int, round: int) -> list[Message]:
-    """A peer's own upload as the others decode it (through the same codecs), so that every
-    mesh peer merges the same values."""
+def as_received(
+    parts: list[Part], node: int, round: int, compression: Compression | None
+) -> list[Message]:
+    """A peer's own upload as the others decode it (through the same codecs: each part's,
+    else the run's ``compression``), so that every mesh peer merges the same values."""
     messages = [(Message(p.kind, node, node, round, p.tensors, p.meta), p.codec) for p in parts]
-    return [deliver(msg, choose(None, msg.kind, codec))[0] for msg, codec in messages]
+    return [deliver(msg, choose(compression, msg.kind, codec))[0] for msg, codec in messages]
 
 
 def read_uploads(msgs: list[Message], *, compress: bool, triangle: bool) -> list[Upload]:

@@ -237,7 +237,7 @@ class OneShot(UploadOnce):
             yield Finish(msg.tensors)
             return
         msgs = yield from self.uploads(len(others) * len(parts), len(parts))
-        uploads = self.read(as_received(parts, ctx.node, UPLOAD) + msgs)
+        uploads = self.read(as_received(parts, ctx.node, UPLOAD, ctx.compression) + msgs)
         state = yield from self.aggregate(ctx, uploads, report=ctx.node == ctx.peers[0])
         yield Finish(state)
 
