@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import math
 import random
+import threading
 import zlib
 
 import numpy as np
@@ -14,6 +16,7 @@ from p2pfl.app.experiment import build
 from p2pfl.core.errors import ConfigError, RunError
 from p2pfl.core.seeding import derive_seed, seed_sequence_state
 from p2pfl.methods.effects import Finish, Recv, Send, Wait
+from p2pfl.network.dynamics import Network
 from p2pfl.network.ledger import Ledger
 from p2pfl.network.message import Message
 from p2pfl.network.topology import build_topology
@@ -205,3 +208,67 @@ def test_derive_seed_keeps_the_first_versions_values():
         state = np.random.SeedSequence([seed, *ints]).generate_state(2, dtype=np.uint32)
         old = int(state.astype(np.uint64) @ [1 << 31, 1]) & ((1 << 63) - 1)
         assert derive_seed(seed, *keys) == old
+
+
+def test_a_shared_uplink_late_in_a_long_run_ends_its_transfers():
+    """At t = 20,000 s a float step of the clock is worth more bits than a transfer's
+    rounding test allowed: the last few bits' timer fired at the same instant, again and
+    again. The transfers now end when what is left cannot move the clock."""
+    topo = build_topology({"kind": "star"}, 3, 0)  # the default link: 100 Mbit/s, 10 ms
+    arrivals = []
+
+    def server(sim):
+        yield Wait(20_000.0)
+        for i in range(3):
+            yield Send(i, "model", 1, payload(1000))
+        yield Finish(None)
+
+    def peer(sim):
+        yield Recv()
+        arrivals.append(sim.now)
+        yield Finish(None)
+
+    sim = SimRuntime(topo, worker=None, ledger=Ledger(), uplink="shared")
+    runs = threading.Thread(
+        target=sim.run, args=({3: server(sim)} | {i: peer(sim) for i in range(3)},), daemon=True
+    )
+    runs.start()
+    runs.join(timeout=30)
+    assert not runs.is_alive(), "the simulation did not end"
+    t = 8 * frame_bytes(payload(1000)) / 100e6
+    assert arrivals == pytest.approx([20_000.0 + 0.01 + 3 * t] * 3, rel=1e-12)
+
+
+def listener_pair(network=None, deadline: float = 1000.0) -> dict[str, float]:
+    """Peer 0 sends a model and waits (up to ``deadline``) for an acknowledgement; peer 1
+    acknowledges, then listens "until the end". When each ended, and the run's end."""
+    seen: dict[str, float] = {}
+
+    def sender(sim):
+        yield Send(1, "model", 1, payload(10))
+        yield Recv(kinds=("control",), deadline=deadline)
+        seen["sender"] = sim.now
+        yield Finish(None)
+
+    def listener(sim):
+        yield Recv()
+        yield Send(0, "control", 1, {})
+        yield Recv(kinds=("statistics",), deadline=math.inf)
+        seen["listener"] = sim.now
+        yield Finish(None)
+
+    sim = SimRuntime(two_peers(), worker=None, ledger=Ledger(), network=network)
+    finals = sim.run({0: sender(sim), 1: listener(sim)})
+    return seen | {"end": sim.now, "finals": sorted(finals)}
+
+
+def test_a_listener_ends_when_nothing_else_can_happen_not_at_a_leftover_timer():
+    """The acknowledgement lands at about 0.5 s, long before the sender's deadline (1,000 s)
+    and peer 1's crash time (50 s): the listener is woken then, ends with its final model,
+    and the run ends then (AD-PSGD's passive peers ran to their last request's timeout)."""
+    t = 8 * frame_bytes(payload(10)) / BANDWIDTH
+    acked = 2 * LATENCY + t + 8 * frame_bytes({}) / BANDWIDTH
+    crashes = Network({"crashes": {"at": {1: 50.0}}}, two_peers(), 0)
+    for seen in (listener_pair(), listener_pair(crashes)):
+        assert seen["sender"] == seen["listener"] == seen["end"] == pytest.approx(acked)
+        assert seen["finals"] == [0, 1]

@@ -99,6 +99,13 @@ class SimRuntime:
         self.timer: dict[int, int] = {n: 0 for n in nodes}
         self.waiting: dict[int, Recv] = {}
         self.finals: dict[int, Finish] = {}
+        # what tells the end of the run: nodes still running, those of them listening
+        # "until the end", and timers in SimPy's queue that can change nothing then (a
+        # receive's deadline after it was met, a stale shared-uplink timer, a crash time)
+        self.alive = 0
+        self.listening = 0
+        self.inert = 0
+        self.armed: dict[int, simpy.Event] = {}  # each shared uplink's live timer
         self.batcher = TrainBatcher(self.env, worker)
 
     def run(self, behaviours: dict[int, Behaviour]) -> dict[int, Finish]:
@@ -107,19 +114,20 @@ class SimRuntime:
             process = self.env.process(self._drive(node, gen))
             crash = self.network.crash_at.get(node) if self.network else None
             if crash is not None:
-                self.env.timeout(crash).callbacks.append(self._crasher(process, node))
+                self._idle(self.env.timeout(crash)).callbacks.append(self._crasher(process, node))
+        self.alive = len(behaviours)
         # Objects made before the run (torch, the data) stay out of the cyclic collector's
         # scans while it runs: a full collection over them costs 0.1-0.3 s each time.
         gc.freeze()
         try:
-            self.env.run()
+            self._run_until_quiet()
             for _ in range(10 * len(behaviours)):  # bounded: each pass ends a listener's wait
                 listeners = [n for n, r in self.waiting.items() if r.deadline == math.inf]
                 if not listeners:
                     break
                 for n in listeners:  # the run is over: a receive "until the end" returns now
                     self.wakeup[n].succeed()
-                self.env.run()
+                self._run_until_quiet()
         finally:
             gc.unfreeze()
             self.done = True
@@ -130,6 +138,24 @@ class SimRuntime:
             )
             raise RunError(f"deadlock: {what}")  # the caller adds the time
         return self.finals
+
+    def _run_until_quiet(self) -> None:
+        """Run until nothing else can happen: every running node listens "until the end" and
+        only idle timers are left (run out, they would move the listeners' end to theirs, and
+        a crash time after the end would take a listener's final model)."""
+        env, queue = self.env, self.env._queue  # SimPy's event heap: its length is all we read
+        while queue and not (self.listening == self.alive and len(queue) == self.inert):
+            env.step()
+
+    def _idle(self, timer: simpy.Event) -> simpy.Event:
+        """Count ``timer`` among the timers that change nothing once the run is over, until
+        it fires."""
+        self.inert += 1
+        timer.callbacks.append(self._fired)
+        return timer
+
+    def _fired(self, _: simpy.Event) -> None:
+        self.inert -= 1
 
     @property
     def now(self) -> float:
@@ -161,6 +187,7 @@ class SimRuntime:
         except simpy.Interrupt:
             gen.close()  # crashed: its state is gone with it
         self.end = max(self.end, self.env.now)
+        self.alive -= 1
 
     def _steps(self, node: int, gen: Behaviour) -> Generator[simpy.Event, Any, None]:
         value: Any = None
@@ -178,7 +205,11 @@ class SimRuntime:
                 back = self.network.next_online(node, self.env.now)
                 if back == math.inf:
                     self.gone.add(node)
-                    yield self.env.event()  # never fires; a crash timer may interrupt it
+                    self.alive -= 1  # it can do nothing more: the run may end without it
+                    try:
+                        yield self.env.event()  # never fires; a crash timer may interrupt it
+                    finally:
+                        self.alive += 1
                 yield self.env.timeout(back - self.env.now)
             if isinstance(eff, Send):
                 self._send(node, eff)
@@ -218,10 +249,17 @@ class SimRuntime:
             self.waiting[node] = recv
             self.missing[node] = recv.count - sum(matches(recv, m) for m in self.inbox[node])
             self.wakeup[node] = self.env.event()
-            if recv.deadline is None or recv.deadline == math.inf:
-                yield self.wakeup[node]  # an endless deadline: woken by the run's end
+            if recv.deadline is None:
+                yield self.wakeup[node]
+            elif recv.deadline == math.inf:  # woken by a message or by the run's end
+                self.listening += 1
+                yield self.wakeup[node]
+                self.listening -= 1
             else:
-                yield self.wakeup[node] | self.env.timeout(recv.deadline - self.env.now)
+                timer = self.env.timeout(recv.deadline - self.env.now)
+                yield self.wakeup[node] | timer
+                if not timer.processed:  # met before its deadline: the timer is idle now
+                    self._idle(timer)
             del self.waiting[node]
             got = take(self.inbox[node], recv, partial=recv.deadline is not None)
             assert got is not None
@@ -290,16 +328,23 @@ class SimRuntime:
             max(bits, 0.0) * k / item[3].bandwidth_bps
             for bits, item in zip(self.left[src], self.uplink[src], strict=True)
         )
-        self.env.timeout(due).callbacks.append(lambda _: self._shared_done(src, version))
+        stale = self.armed.get(src)
+        if stale is not None and not stale.processed:
+            self._idle(stale)  # re-armed: the old timer will be ignored
+        timer = self.armed[src] = self.env.timeout(due)
+        timer.callbacks.append(lambda _: self._shared_done(src, version))
 
     def _shared_done(self, src: int, version: int) -> None:
         """The uplink's timer: the transfers whose last bit has left arrive ``latency_s`` later."""
         if version != self.timer[src]:
             return
         self._count(src)
-        left, queue = self.left[src], self.uplink[src]
+        left, queue, now = self.left[src], self.uplink[src], self.env.now
+        # done: the bits left are rounding, or too few to move the clock (late in a long
+        # run, a float step of it is worth more bits than the first test allows)
         done = [i for i, (bits, item) in enumerate(zip(left, queue, strict=True))
-                if bits <= 1e-9 * 8.0 * item[1]]  # fmt: skip
+                if bits <= 1e-9 * 8.0 * item[1]
+                or now + bits * len(left) / item[3].bandwidth_bps == now]  # fmt: skip
         for i in done:  # in the order they were sent
             msg, size, sent, link, lost, jitter = queue[i]
             arrival = self.env.timeout(link.latency_s + jitter)
