@@ -58,6 +58,20 @@ def test_every_rule_on_identical_models_returns_that_model(name, center_weight):
         assert torch.equal(out[k], model[k]), (name, k)
 
 
+@pytest.mark.parametrize("name", ["mean", *ROBUST, {"name": "krum", "m": 2}])
+def test_every_rule_takes_integer_buffers_from_the_center(name):
+    """The uploads' batch counters (100, 100, 100, 7) say nothing the rules can check: the
+    aggregate keeps the centre's (5), as documented (Krum returned its upload's whole)."""
+    gen = torch.Generator().manual_seed(1)
+    center = random_state(gen) | {"count": torch.tensor(5)}
+    others = [random_state(gen) | {"count": torch.tensor(c)} for c in (100, 100, 100, 7)]
+    out = parse_aggregator(name)(center, others, [0.25] * 4, 0.0)
+    if name == "mean":  # the plain mean averages every tensor (FedAvg's contract)
+        assert out["count"].item() == round((100 * 3 + 7) / 4)
+    else:
+        assert out["count"].item() == 5
+
+
 @pytest.mark.parametrize("n", [1, 2, 5, 6, 9])
 def test_median_and_trimmed_mean_equal_numpy(n):
     gen = torch.Generator().manual_seed(n)

@@ -11,8 +11,9 @@ of the ``aggregator:`` option of FedAvg, FedProx, DFedAvgM and DFedSAM, e.g.
   a star, Metropolis–Hastings weights on a graph). Only ``mean`` and the clipping rules use
   weights: an attacker could lie about its sample count, so the robust statistics do not.
 
-Every rule works on the floating tensors; integer buffers (BatchNorm's batch counter) are
-taken from ``center``. On identical inputs every rule returns that input, bit for bit.
+Every robust rule works on the floating tensors; integer buffers (BatchNorm's batch counter)
+are taken from ``center`` (``mean`` averages them, as FedAvg always has). On identical
+inputs every rule returns that input, bit for bit.
 """
 
 from __future__ import annotations
@@ -182,7 +183,8 @@ class Krum(Aggregator):
         if not states:
             return center
         chosen = [states[i] for i in self.select(states)]
-        return chosen[0] if len(chosen) == 1 else average_states(chosen)
+        out = chosen[0] if len(chosen) == 1 else average_states(chosen)
+        return {k: v if v.is_floating_point() else center[k] for k, v in out.items()}
 
 
 def clip_step(
