@@ -65,6 +65,9 @@ class Forked:
 
     def __init__(self, main: Callable[[], int], name: str) -> None:
         self.returncode: int | None = None
+        # reaping and signalling under one lock: a pid is never signalled once reaped (the
+        # system may have given it to another process by then)
+        self._reaping = threading.RLock()
         sys.stdout.flush()
         sys.stderr.flush()
         gc.freeze()
@@ -74,25 +77,21 @@ class Forked:
         gc.unfreeze()
 
     def poll(self) -> int | None:
-        if self.returncode is None:
-            try:
+        with self._reaping:
+            if self.returncode is None:
                 pid, status = os.waitpid(self.pid, os.WNOHANG)
-            except ChildProcessError:  # another thread reaped it and is setting returncode
-                return None
-            if pid:
-                self.returncode = os.waitstatus_to_exitcode(status)
-        return self.returncode
+                if pid:
+                    self.returncode = os.waitstatus_to_exitcode(status)
+            return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
         """Wait for the child to end (``subprocess.TimeoutExpired`` after ``timeout``);
-        without a timeout, in the kernel (other threads keep the interpreter)."""
+        without a timeout, in the kernel (other threads keep the interpreter), leaving the
+        child to be reaped under the lock."""
         while timeout is None and self.returncode is None:
-            try:
-                _, status = os.waitpid(self.pid, 0)
-            except ChildProcessError:  # another thread reaped it and is setting returncode
-                time.sleep(0.01)
-                continue
-            self.returncode = os.waitstatus_to_exitcode(status)
+            with contextlib.suppress(ChildProcessError):  # reaped meanwhile by another thread
+                os.waitid(os.P_PID, self.pid, os.WEXITED | os.WNOWAIT)
+            self.poll()
         deadline = None if timeout is None else time.monotonic() + timeout
         while (code := self.poll()) is None:
             if deadline is not None and time.monotonic() > deadline:
@@ -101,8 +100,9 @@ class Forked:
         return code
 
     def send_signal(self, sig: int) -> None:
-        if self.poll() is None:
-            os.kill(self.pid, sig)
+        with self._reaping:
+            if self.poll() is None:
+                os.kill(self.pid, sig)
 
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
