@@ -294,3 +294,28 @@ def test_a_hung_peer_ends_the_run_soon_after_the_timeout(tmp_path):
     assert elapsed <= timeout + 4.0, elapsed  # 4.97 s for timeout 3 s when written
     wait_for(lambda: not any(alive(p) for p in peers), timeout=2.0)
     assert strict_json(out / "summary.json")["status"] == "failed"
+
+
+def test_a_fork_that_fails_midway_stops_the_nodes_already_forked(tmp_path, monkeypatch):
+    """The third of five forks fails (a process limit, say): the two nodes already forked
+    are stopped and reaped, not left waiting for a handshake that never comes."""
+    from p2pfl.app.config import resolve
+    from p2pfl.app.experiment import build
+    from p2pfl.runtime import launcher
+
+    setup = build(resolve(LONG, tmp_path / "exp.yaml"))
+    forked: list[launcher.Forked] = []
+    real = launcher.Forked
+
+    def fork(main, name):
+        if len(forked) == 2:
+            raise BlockingIOError(11, "Resource temporarily unavailable")
+        forked.append(real(main, name))
+        return forked[-1]
+
+    monkeypatch.setattr(launcher, "Forked", fork)
+    with pytest.raises(BlockingIOError):
+        launcher.fork_nodes(setup, list(setup.topology.graph.nodes), tmp_path / "out")
+    assert len(forked) == 2
+    assert all(child.returncode is not None for child in forked)
+    assert not any(alive(child.pid) for child in forked)

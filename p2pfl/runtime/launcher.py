@@ -173,14 +173,15 @@ def fork_nodes(
     setup.check_forkable("nodes")
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # set before forking: no child inherits a pool it cannot use
+    procs: dict[int, Forked] = {}
     try:
-        return {
-            n: Forked(
-                partial(run_peer, setup, n, out, addresses, coordinator),
-                f"p2pfl {setup.topology.name(n)}",
-            )
-            for n in nodes
-        }
+        for n in nodes:
+            main = partial(run_peer, setup, n, out, addresses, coordinator)
+            procs[n] = Forked(main, f"p2pfl {setup.topology.name(n)}")
+        return procs
+    except BaseException:  # a fork that failed (a process limit) or Ctrl-C: none is left
+        stop(procs.values(), STOP_GRACE_S)
+        raise
     finally:
         torch.set_num_threads(threads)
 
