@@ -194,6 +194,19 @@ def test_a_sweep_cell_too_long_for_a_file_name_is_refused(tmp_path, capsys, sect
     run_refused(tmp_path, capsys, exp_file(tmp_path, **sections), [], "sweep")
 
 
+BAD_SWEEP_KEYS = [  # (--set, what the error names)
+    ("sweep={1: [a]}", "sweep.1: must be a section or a dotted key path"),
+    ("sweep={train..lr: [0.1]}", "sweep.train..lr: must be a section or a dotted key path"),
+    ("sweep={train.lr: [2020-01-01]}", "train.lr (sweep cell train.lr=2020-01-01): must be num"),
+    ("sweep={train.lr: [!!set {a}]}", "train.lr (sweep cell train.lr="),
+]
+
+
+@pytest.mark.parametrize(("assignment", "needle"), BAD_SWEEP_KEYS)
+def test_a_bad_sweep_key_or_value_is_one_error_line(tmp_path, capsys, assignment, needle):
+    run_refused(tmp_path, capsys, exp_file(tmp_path), ["--set", assignment], needle)
+
+
 # --- 3. Files that are not what they claim ------------------------------------------------
 def _yaml(**sections: Any) -> str:
     config = copy.deepcopy(BASE) | sections
@@ -452,3 +465,58 @@ def test_peer_refuses_a_hostile_address_file(tmp_path, capsys, name, content, ne
         needle,
     )
     assert not out.exists()
+
+
+# --- 5. Output directories of yours: --force empties only what p2pfl wrote -----------------
+YOURS = [  # (where a real run is copied into the directory, or None; files of yours in it)
+    (None, {"config.yaml": "db: postgres\n", "notes.txt": "mine", "src/app.py": "x = 1\n"}),
+    (None, {"config.yaml": "db: postgres\n"}),
+    (None, {"metrics.csv": "a,b\n1,2\n", "notes.txt": "mine"}),
+    (None, {"cells.csv": "cell,status\n", "plots/a.txt": "mine"}),
+    (".", {"notes.txt": "mine"}),
+    (".", {"src/app.py": "x = 1\n"}),
+    ("seed=0", {"notes.txt": "mine"}),
+    ("seed=0", {"seed=0/notes.txt": "mine"}),
+]
+
+
+def tree(path: Path) -> dict[str, bytes | None]:
+    """Every file's bytes (a directory: None) under ``path``, by relative path."""
+    return {
+        str(p.relative_to(path)): None if p.is_dir() else p.read_bytes() for p in path.rglob("*")
+    }
+
+
+@pytest.mark.parametrize("sweep", [False, True], ids=["run", "sweep"])
+@pytest.mark.parametrize(
+    ("run", "files"),
+    YOURS,
+    ids=["config", "lone-config", "metrics", "cells", "run-notes", "run-src", "cell", "in-cell"],
+)
+def test_force_never_empties_a_directory_of_yours(tmp_path, capsys, finished, run, files, sweep):
+    out = tmp_path / "yours"
+    out.mkdir()
+    if run is not None:
+        shutil.copytree(finished, out / run, dirs_exist_ok=True)
+    for name, text in files.items():
+        (out / name).parent.mkdir(parents=True, exist_ok=True)
+        (out / name).write_text(text)
+    before = tree(out)
+    exp = exp_file(tmp_path, sweep={"seed": [0]} if sweep else None)
+    argv = ["run", str(exp), "--out", str(out), "--quiet", "--force"]
+    line = refused(capsys, argv, "holds no p2pfl run")
+    assert str(out) in line
+    assert tree(out) == before
+
+
+def test_force_replaces_a_run_with_what_p2pfl_added_to_it(tmp_path, capsys, finished):
+    out = tmp_path / "run"
+    shutil.copytree(finished, out)
+    assert main(["plot", str(out)]) == 0  # plots/, as p2pfl plot draws by default
+    (out / "summary.json.tmp").write_text("{")  # a run killed while it wrote summary.json
+    for name in ("pool_distances.csv", "pool_distances.png"):  # FedELMY's artifact
+        (out / name).write_text("")
+    assert main(["run", str(exp_file(tmp_path)), "--out", str(out), "--quiet", "--force"]) == 0
+    assert not (out / "plots").exists() and not (out / "summary.json.tmp").exists()
+    assert not (out / "pool_distances.csv").exists()
+    assert yaml.safe_load((out / "config.yaml").read_text())["algorithm"]["rounds"] == 2

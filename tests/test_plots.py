@@ -46,6 +46,15 @@ def rows(path: Path) -> list[dict[str, str]]:
         return list(csv.DictReader(f))
 
 
+def copy_run(run: Path, to: Path) -> Path:
+    """A copy of ``run``'s files (not its plots) in ``to``, to break."""
+    to.mkdir()
+    for f in run.iterdir():
+        if f.is_file():
+            (to / f.name).write_bytes(f.read_bytes())
+    return to
+
+
 def test_plot_writes_valid_png_and_svg(runs, tmp_path, capsys):
     out = tmp_path / "plots"
     assert main(["plot", str(runs["fedavg"]), str(runs["dfedavgm"]), "--out", str(out)]) == 0
@@ -62,13 +71,68 @@ def test_default_output_is_the_first_run_plots_folder(runs):
     assert valid(runs["fedavg"] / "plots" / "accuracy.svg")
 
 
+def test_a_default_output_that_is_a_file_is_a_one_line_error(runs, tmp_path, capsys):
+    run = copy_run(runs["fedavg"], tmp_path / "run")
+    (run / "plots").write_text("")
+    assert main(["plot", str(run)]) == 2
+    assert capsys.readouterr().err == f"error: --out: {run / 'plots'} is a file, not a directory\n"
+
+
+@pytest.mark.parametrize(
+    ("partition", "message"),
+    [
+        (None, "not a finished run: No such file or directory: {}"),
+        ("peer,class_0,total\n0,x,3\n", "{} line 2: column 'class_0' is 'x', not a int"),
+        ("peer,class_0,total\n0,3\n", "{} line 2: column 'total' is None, not a int"),
+        ("peer,total\n0,3\n", "{}: no peer or no class column"),
+    ],
+)
+def test_a_missing_or_broken_partition_is_a_one_line_error(
+    runs, tmp_path, capsys, partition, message
+):
+    """Checked like the other CSV files, before anything is drawn or written."""
+    run = copy_run(runs["fedavg"], tmp_path / "run")
+    if partition is None:
+        (run / "partition.csv").unlink()
+    else:
+        (run / "partition.csv").write_text(partition)
+    assert main(["plot", str(run), "--out", str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err == f"error: {message.format(run / 'partition.csv')}\n"
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_sweep_leaves_out_a_cell_whose_run_did_not_finish(tmp_path):
+    """An interrupted re-run of a finished cell leaves ``done`` in the old ``cells.csv``; its
+    ``summary.json`` has the last word: the pictures are those of the other cell alone."""
+    sweep = tmp_path / "sweep"
+    file = tmp_path / "sweep.yaml"
+    file.write_text(
+        "name: mini\ndataset: {name: digits}\nmodel: {name: mlp, hidden: [8]}\n"
+        "topology: {kind: star}\npeers: {count: 3}\nalgorithm: {name: fedavg, rounds: 2}\n"
+        "sweep: {seed: [0, 1]}\n"
+    )
+    assert main(["run", str(file), "--out", str(sweep), "--quiet"]) == 0
+    cells = rows(sweep / "cells.csv")
+    assert [c["status"] for c in cells] == ["ok", "ok"]
+    summary = sweep / cells[1]["cell"] / "summary.json"
+    summary.write_text(json.dumps(json.loads(summary.read_text()) | {"status": "interrupted"}))
+    [(_, kept)] = plots.expand([sweep])
+    assert [r.path.name for r in kept] == [cells[0]["cell"]]
+    assert main(["plot", str(sweep), "--out", str(tmp_path / "left-out")]) == 0
+    lines = (sweep / "cells.csv").read_text().splitlines()
+    (sweep / "cells.csv").write_text(f"{lines[0]}\n{lines[1]}\n")  # the finished cell alone
+    assert main(["plot", str(sweep), "--out", str(tmp_path / "alone")]) == 0
+    drawn = sorted(p.name for p in (tmp_path / "alone").iterdir() if p.suffix == ".png")
+    assert drawn == ["accuracy.png", "partition-1.png", "traffic.png"]
+    for name in drawn:
+        assert (tmp_path / "left-out" / name).read_bytes() == (
+            tmp_path / "alone" / name
+        ).read_bytes()
+
+
 def test_a_run_that_sent_nothing_is_drawn_without_a_log_axis(runs, tmp_path):
     """A bytes axis with no positive value cannot be logarithmic (matplotlib warns)."""
-    run = tmp_path / "silent"
-    run.mkdir()
-    for f in runs["fedavg"].iterdir():
-        if f.is_file():
-            (run / f.name).write_bytes(f.read_bytes())
+    run = copy_run(runs["fedavg"], tmp_path / "silent")
     header = (run / "comm.csv").read_text().splitlines()[0]
     (run / "comm.csv").write_text(header + "\n")
     with warnings.catch_warnings():

@@ -129,6 +129,55 @@ def test_a_second_run_skips_finished_cells_and_reruns_changed_ones(tmp_path, mon
     assert len(calls) == 3
 
 
+def test_a_sweep_reuses_its_own_directory_and_no_other(tmp_path, capsys, monkeypatch):
+    """Without ``--force`` a sweep goes into a directory that holds something only to resume
+    it: one that holds a sweep's outputs and nothing else."""
+    monkeypatch.setattr(plots, "figures", lambda *args: {})
+    monkeypatch.setattr(plots, "sweep_chart", lambda *args: [])
+    file, out = write(tmp_path, {"seed": [0]}), tmp_path / "out"
+    assert main(["run", file, "--out", str(out), "--quiet"]) == 0
+    (out / "notes.txt").write_text("mine")
+    (out / "seed=0" / "summary.json").write_text("{}")  # would run again if it could
+    capsys.readouterr()
+    assert main(["run", file, "--out", str(out), "--quiet"]) == 2
+    assert "is not empty" in capsys.readouterr().err
+    assert (out / "seed=0" / "summary.json").read_text() == "{}"
+    (out / "notes.txt").unlink()
+    assert main(["run", file, "--out", str(out), "--quiet"]) == 0  # resumed
+    assert [c["status"] for c in rows(out / "cells.csv")] == ["ok"]
+
+    skipped, out = write(tmp_path, {"topology": ["ring"]}), tmp_path / "skipped"
+    assert main(["run", skipped, "--out", str(out), "--quiet"]) == 0
+    assert main(["run", skipped, "--out", str(out), "--quiet"]) == 0  # cells.csv: the sweep's
+    assert [c["status"] for c in rows(out / "cells.csv")] == ["skipped"]
+
+    single = tmp_path / "single.yaml"
+    single.write_text(yaml.safe_dump(BASE))
+    run_dir = tmp_path / "run"
+    assert main(["run", str(single), "--out", str(run_dir), "--quiet"]) == 0
+    before = {p.name: p.read_bytes() for p in run_dir.iterdir()}
+    capsys.readouterr()
+    assert main(["run", file, "--out", str(run_dir), "--quiet"]) == 2
+    assert "is not empty" in capsys.readouterr().err
+    assert {p.name: p.read_bytes() for p in run_dir.iterdir()} == before
+
+
+def test_a_cell_run_again_keeps_nothing_of_its_last_run(tmp_path, monkeypatch):
+    """A cell whose config changed starts from an empty directory: no ``availability.csv`` of
+    a ``network:`` section it no longer has (which ``p2pfl plot`` would draw)."""
+    monkeypatch.setattr(plots, "sweep_chart", lambda *args: [])
+    out, grid = tmp_path / "out", {"seed": [0]}
+    network = {"crashes": {"at": {1: 1000}}}
+    assert main(["run", write(tmp_path, grid, network=network), "--out", str(out), "--quiet"]) == 0
+    assert (out / "seed=0" / "availability.csv").is_file()
+    assert "availability" in plots.figures([out])
+    assert main(["run", write(tmp_path, grid), "--out", str(out), "--quiet"]) == 0
+    assert sorted(p.name for p in (out / "seed=0").iterdir()) == [
+        "comm.csv", "config.yaml", "metrics.csv", "partition.csv", "partition.png", "summary.json"
+    ]  # fmt: skip
+    assert "availability" not in plots.figures([out])
+
+
 def outputs(out, cell):
     """A cell's outputs, wall times left out."""
     summary = json.loads((out / cell / "summary.json").read_text())

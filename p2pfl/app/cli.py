@@ -6,9 +6,10 @@ Exit codes: 0 success; 2 bad config or arguments (one line ``error: FILE: key: r
 or SIGTERM: both end a run the same way, with ``summary.json`` saying ``interrupted``).
 
 A run owns its ``--out`` directory: one that holds anything is refused unless ``--force``
-(which empties it first, and only if it holds a p2pfl run), and a directory another run is
-writing to (it holds the lock ``.p2pfl.lock``) is refused, both before anything is loaded.
-A sweep may reuse its directory (finished cells are kept) but not share it with another.
+(which empties it first, and only if it holds a p2pfl run or sweep and nothing else), and a
+directory another run is writing to (it holds the lock ``.p2pfl.lock``) is refused, both
+before anything is loaded. A sweep may reuse a directory that holds a sweep and nothing else
+(finished cells are kept) but not share it with another.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import dataclasses
 import fcntl
 import gc
 import os
-import shutil
+import re
 import signal
 import sys
 from collections.abc import Iterator
@@ -153,27 +154,82 @@ def output_dir(path: str) -> Path:
 
 
 LOCK = ".p2pfl.lock"
-RUN_FILES = ("config.yaml", "summary.json", "metrics.csv", "comm.csv", "cells.csv", "sweep.csv")
+RUN_FILES = frozenset(
+    {"config.yaml", "summary.json", "summary.json.tmp", "metrics.csv", "comm.csv",
+     "availability.csv", "partition.csv", "partition.png", "tensorboard", "peers", "plots"}
+)  # fmt: skip
+"""What a run writes in its directory (``peers/``: a real run's nodes; ``plots/``: ``p2pfl
+plot``): ``--force`` empties a directory only if it holds nothing else."""
+ARTIFACTS = re.compile(r"[\w.-]+\.(csv|png|svg)")
+"""The tables and pictures a method's ``Artifact`` writes in its run's directory."""
+SWEEP_FILES = re.compile(
+    r"cells\.csv|sweep\.csv|plots|(accuracy|traffic|availability|sweep|partition-\d+)\.(png|svg)"
+)
+"""What a sweep writes in its directory besides its cells' directories (``KEY=LABEL,...``)."""
 
 
-def check_fresh(out: Path, force: bool, reuse: bool = False) -> None:
-    """Refuse an ``--out`` that another run is writing to, or (unless ``reuse``, a sweep's
-    resume) one that holds anything without ``--force``, or ``--force`` on a directory that
-    holds no p2pfl run. Writes nothing."""
+def check_fresh(out: Path, force: bool, sweep: bool = False) -> None:
+    """Refuse an ``--out`` that another run is writing to; one that holds anything, unless
+    ``--force`` or it holds a ``sweep`` to resume; and, with ``--force``, one that holds
+    anything but a p2pfl run or sweep (a directory of yours is never emptied). Writes
+    nothing."""
     if not out.is_dir():
         return
     with _locked(out, create=False):
         pass
     held = sorted(p.name for p in out.iterdir() if p.name != LOCK)
-    if not held or reuse:
+    if not held or (sweep and not force and _is_sweep(out)):
         return
+    shown = ", ".join(held[:3]) + (", ..." if len(held) > 3 else "")
     if not force:
-        shown = ", ".join(held[:3]) + (", ..." if len(held) > 3 else "")
         raise ConfigError(
             "--out", f"{out} is not empty ({shown}); pass --force to replace it, or another --out"
         )
-    if not any((out / name).exists() for name in RUN_FILES):
-        raise ConfigError("--out", f"{out} holds no p2pfl run; --force only replaces a run")
+    if not (_is_run(out) or _is_sweep(out)):
+        raise ConfigError(
+            "--out",
+            f"{out} holds no p2pfl run, or files p2pfl did not write beside it ({shown}); "
+            "--force only replaces a p2pfl run or sweep",
+        )
+
+
+def _is_run(path: Path) -> bool:
+    """Whether ``path`` holds a p2pfl run and nothing else: a run's files, among them the
+    ``config.yaml`` of an experiment (a file of that name alone is not enough), and tables
+    and pictures beside them (a method's artifacts, such as FedELMY's ``pool_distances``)."""
+    from p2pfl.core.yaml_io import read_yaml
+
+    entries = [p for p in path.iterdir() if p.name != LOCK]
+    if "config.yaml" not in {p.name for p in entries} or not all(
+        p.name in RUN_FILES or (ARTIFACTS.fullmatch(p.name) and p.is_file()) for p in entries
+    ):
+        return False
+    try:
+        return {"seed", "topology", "peers", "algorithm"} <= read_yaml(path / "config.yaml").keys()
+    except ConfigError:
+        return False
+
+
+def _is_sweep(path: Path) -> bool:
+    """Whether ``path`` holds a p2pfl sweep and nothing else: its tables and figures, and
+    cell directories, each a run (or empty: a cell stopped before it wrote); at least one
+    cell or a ``cells.csv`` with a sweep's header (every cell skipped)."""
+    held = [p for p in path.iterdir() if p.name != LOCK]
+    cells = [p for p in held if "=" in p.name and p.is_dir() and not p.is_symlink()]
+    return (
+        (bool(cells) or _is_cells_table(path / "cells.csv"))
+        and all(_is_run(p) or not any(p.iterdir()) for p in cells)
+        and all(p in cells or SWEEP_FILES.fullmatch(p.name) for p in held)
+    )
+
+
+def _is_cells_table(path: Path) -> bool:
+    """Whether ``path`` is a sweep's ``cells.csv``: its header holds the cell columns."""
+    try:
+        with path.open(encoding="utf-8", errors="replace") as f:
+            return ",cell,status,reason," in f.readline(4096)
+    except OSError:
+        return False
 
 
 @contextmanager
@@ -202,21 +258,12 @@ def _locked(out: Path, create: bool = True) -> Iterator[None]:
 @contextmanager
 def _claimed(out: Path, force: bool) -> Iterator[None]:
     """``out`` locked for this run (and emptied first with ``--force``)."""
+    from p2pfl.app.experiment import empty
+
     with _locked(out):
         if force:
-            _empty(out)
+            empty(out, keep=(LOCK,))
         yield
-
-
-def _empty(out: Path, keep: tuple[str, ...] = ()) -> None:
-    """Remove what a run directory holds (``--force``), all but the lock and ``keep``."""
-    for p in out.iterdir():
-        if p.name == LOCK or p.name in keep:
-            continue
-        if p.is_dir() and not p.is_symlink():
-            shutil.rmtree(p)
-        else:
-            p.unlink()
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -235,7 +282,7 @@ def _run(args: argparse.Namespace, threads: int) -> int:
     spread = _check_workers(args, bool(grid))
     if grid:
         out = output_dir(args.out or f"runs/{raw.get('name', Path(args.experiment).stem)}")
-        check_fresh(out, args.force, reuse=not args.force)
+        check_fresh(out, args.force, sweep=True)
         file = Path(args.experiment)
         claim = lambda: _claimed(out, args.force)  # noqa: E731 - taken once every cell is checked
         return run_sweep(
@@ -304,8 +351,10 @@ def cmd_merge(args: argparse.Namespace) -> int:
         raise ConfigError(
             "RUN_DIR", f"{out} already holds {merged[0]}; pass --force to merge it again"
         )
+    from p2pfl.app.experiment import empty
+
     with _locked(out):
-        _empty(out, keep=("peers",))
+        empty(out, keep=(LOCK, "peers"))
         summary = run(setup, out, transport="zmq", gathered=True)
     _say(setup.config["name"], summary, out)
     return 0
@@ -522,7 +571,7 @@ def cmd_plot(args: argparse.Namespace) -> int:
     from p2pfl.reporting.plots import plot_runs
 
     paths = [Path(r) for r in args.runs]
-    written = plot_runs(paths, output_dir(args.out) if args.out else paths[0] / "plots")
+    written = plot_runs(paths, output_dir(args.out or str(paths[0] / "plots")))
     print(f"wrote {len(written)} files: {', '.join(str(p) for p in written)}")
     return 0
 

@@ -14,6 +14,7 @@ import itertools
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -111,6 +112,18 @@ def build(config: dict[str, Any], transport: str = "sim") -> Setup:
     return Setup(
         config, method, population, topology, trainer, data, train, evaluation, network, adversary
     )
+
+
+def empty(out: Path, keep: tuple[str, ...] = ()) -> None:
+    """Remove what a run directory holds but ``keep`` (``--force``; a sweep cell that runs
+    again: nothing of its last run may stay)."""
+    for p in out.iterdir():
+        if p.name in keep:
+            continue
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p)
+        else:
+            p.unlink()
 
 
 def run(

@@ -27,6 +27,7 @@ import csv
 import functools
 import itertools
 import json
+import operator
 import os
 import re
 import signal
@@ -41,7 +42,7 @@ from typing import Any
 import yaml
 
 from p2pfl.app.config import SECTIONS, apply_set, read_experiment, resolve
-from p2pfl.app.experiment import build, run
+from p2pfl.app.experiment import build, empty, run
 from p2pfl.core.errors import ConfigError, RunError, TopologyMisfit
 from p2pfl.data.datasets import loaded_once
 
@@ -80,7 +81,8 @@ def split(raw: dict[str, Any]) -> tuple[dict[str, Any], dict[str, list[Any]]]:
     if not isinstance(grid, dict) or not grid:
         raise ConfigError("sweep", "must be a non-empty mapping of key: [values]")
     for key, values in grid.items():
-        if key == "name" or key.split(".")[0] not in SECTIONS:
+        parts = str(key).split(".")
+        if not isinstance(key, str) or key == "name" or parts[0] not in SECTIONS or "" in parts:
             raise ConfigError(f"sweep.{key}", "must be a section or a dotted key path")
         if not isinstance(values, list) or not values:
             raise ConfigError(f"sweep.{key}", "must be a non-empty list of values")
@@ -123,11 +125,14 @@ def label(value: Any) -> str:
 
 
 def apply(raw: dict[str, Any], values: dict[str, Any]) -> dict[str, Any]:
-    """``raw`` with one cell's values: whole sections first, then dotted keys."""
+    """``raw`` with one cell's values: whole sections first, then dotted keys (each value as
+    it is, for the checks to judge: a YAML date is no JSON, and no ``--set`` text either)."""
     out = copy.deepcopy(raw)
     for key, value in sorted(values.items(), key=lambda kv: "." in kv[0]):
         if "." in key:
-            apply_set(out, f"{key}={json.dumps(value)}")
+            apply_set(out, f"{key}=null")  # the path made (or refused) as --set makes it
+            *parents, leaf = key.split(".")
+            functools.reduce(operator.getitem, parents, out)[leaf] = copy.deepcopy(value)
         elif isinstance(value, str) and key != "seed":
             out[key] = {SHORTHAND.get(key, "name"): value}
         else:
@@ -203,6 +208,8 @@ def run_cell(
     if summary is not None:
         row["status"] = "done"
     else:
+        if out.is_dir():  # run before (failed, or another config): none of its files may stay
+            empty(out)
         try:
             summary = run(build(cell.config, transport), out, progress, transport)
             row["status"] = "ok"

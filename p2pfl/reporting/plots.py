@@ -60,18 +60,26 @@ class Run:
     comm: list[dict[str, str]]
     availability: list[tuple[int, float, float]] | None = None
     """``availability.csv`` as (peer, online from, online to) rows; None without the file."""
+    partition: tuple[tuple[int, ...], ...] = ()
+    """``partition.csv``: samples per peer (rows) and class (columns)."""
 
 
 METRICS = {"time": float, "round": int, "peer": str, "metric": str, "value": float}
 COMM = {"src": str, "dst": str, "bytes": int, "arrival": float}
 AVAILABILITY = {"peer": int, "online_from": float, "online_to": float}
+PARTITION = {"peer": int, "total": int}  # between them class_0, class_1, ...: all ints
 CELLS = {"cell": str, "status": str}
 """The columns each file must have, and how each is read: a file that breaks them is a
 one-line error naming it, before anything is drawn."""
 
 
-def _rows(path: Path, columns: Mapping[str, Callable[[str], Any]]) -> list[dict[str, str]]:
-    """A CSV file's rows, each checked to have ``columns`` readable as their types."""
+def _rows(
+    path: Path,
+    columns: Mapping[str, Callable[[str], Any]],
+    rest: Callable[[str], Any] | None = None,
+) -> list[dict[str, str]]:
+    """A CSV file's rows, each checked to have ``columns`` readable as their types (and,
+    with ``rest``, the header's other columns as that)."""
     try:
         with path.open(newline="", encoding="utf-8") as f:
             reader = csv.DictReader(f)
@@ -82,6 +90,8 @@ def _rows(path: Path, columns: Mapping[str, Callable[[str], Any]]) -> list[dict[
     missing = [c for c in columns if c not in header]
     if missing:
         raise ConfigError("", f"{path}: no column {', '.join(missing)} in its header")
+    if rest is not None:
+        columns = dict.fromkeys(header, rest) | dict(columns)
     for i, row in enumerate(rows, start=2):
         for column, read in columns.items():
             try:
@@ -92,6 +102,25 @@ def _rows(path: Path, columns: Mapping[str, Callable[[str], Any]]) -> list[dict[
                     "", f"{path} line {i}: column {column!r} is {value!r}, not a {read.__name__}"
                 ) from None
     return rows
+
+
+def _partition(path: Path) -> tuple[tuple[int, ...], ...]:
+    """``partition.csv``'s samples per peer and class, checked."""
+    rows = _rows(path, PARTITION, rest=int)
+    classes = [c for c in rows[0] if c not in (*PARTITION, None)] if rows else []
+    if not classes:
+        raise ConfigError("", f"{path}: no peer or no class column")
+    return tuple(tuple(int(r[c]) for c in classes) for r in rows)
+
+
+def finished(path: Path) -> bool:
+    """Whether the run in ``path`` ended well: its ``summary.json`` says ``"status": "ok"``
+    (an interrupted re-run of a sweep cell leaves the old ``cells.csv`` saying ``done``)."""
+    try:
+        summary = json.loads((path / "summary.json").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        return False
+    return isinstance(summary, dict) and summary.get("status") == "ok"
 
 
 def read_run(path: Path) -> Run:
@@ -113,8 +142,9 @@ def read_run(path: Path) -> Run:
         raise ConfigError("", f"{path / 'config.yaml'}: not a run's config (seed, topology, peers)")
     try:
         run = Run(
-            path, config, _rows(path / "metrics.csv", METRICS), _rows(path / "comm.csv", COMM)
-        )
+            path, config, _rows(path / "metrics.csv", METRICS), _rows(path / "comm.csv", COMM),
+            partition=_partition(path / "partition.csv"),
+        )  # fmt: skip
     except OSError as e:
         raise ConfigError("", f"not a finished run: {e.strerror}: {e.filename}") from None
     if (path / "availability.csv").is_file():
@@ -132,8 +162,9 @@ def line_name(keys: list[str], labels: dict[str, Any]) -> str:
 
 
 def expand(paths: list[Path]) -> list[tuple[str, list[Run]]]:
-    """(label, runs) lines: a run is its own line; a sweep's finished cells are grouped by
-    every sweep key but ``seed`` (named after the sweep too when there are several paths)."""
+    """(label, runs) lines: a run is its own line; a sweep's finished cells (``ok`` or
+    ``done`` in ``cells.csv`` and :func:`finished`) are grouped by every sweep key but
+    ``seed`` (named after the sweep too when there are several paths)."""
     lines = []
     for path in paths:
         prefix = f"{path.name}: " if len(paths) > 1 else ""
@@ -146,9 +177,10 @@ def expand(paths: list[Path]) -> list[tuple[str, list[Run]]]:
             for row in rows:
                 if Path(row["cell"]).name != row["cell"] or row["cell"] in ("", ".", ".."):
                     raise ConfigError("", f"{path / 'cells.csv'}: {row['cell']!r} is not a cell")
-                if row["status"] in ("ok", "done"):
+                cell = path / row["cell"]  # one that is gone: read_run names it
+                if row["status"] in ("ok", "done") and (not cell.is_dir() or finished(cell)):
                     name = prefix + line_name(keys, row)
-                    groups.setdefault(name, []).append(read_run(path / row["cell"]))
+                    groups.setdefault(name, []).append(read_run(cell))
             lines += groups.items()
         else:
             raise ConfigError("", f"{path} is neither a run (summary.json) nor a sweep (cells.csv)")
@@ -300,20 +332,19 @@ def traffic_figure(lines: list[tuple[str, list[Run]]]) -> Figure:
 
 def partition_figures(lines: list[tuple[str, list[Run]]]) -> dict[str, Callable[[], Figure]]:
     """``partition-I``: a heat-map per distinct ``partition.csv``, titled by its first run."""
-    seen: dict[str, Path] = {}
+    seen: dict[tuple[tuple[int, ...], ...], Path] = {}
     for _, runs in lines:
         for run in runs:
-            seen.setdefault((run.path / "partition.csv").read_text(), run.path)
+            seen.setdefault(run.partition, run.path)
     return {
-        f"partition-{i}": functools.partial(_partition_figure, text, path.name)
-        for i, (text, path) in enumerate(seen.items(), 1)
+        f"partition-{i}": functools.partial(_partition_figure, counts, path.name)
+        for i, (counts, path) in enumerate(seen.items(), 1)
     }
 
 
-def _partition_figure(text: str, name: str) -> Figure:
-    counts = np.array([[int(v) for v in row[1:-1]] for row in csv.reader(text.splitlines()[1:])])
+def _partition_figure(counts: tuple[tuple[int, ...], ...], name: str) -> Figure:
     title = f"Samples per peer and class\n{name}"
-    return heatmap_figure(counts, title, "class", "peer", colorbar="samples")
+    return heatmap_figure(np.array(counts), title, "class", "peer", colorbar="samples")
 
 
 def online_count(intervals: list[tuple[float, float]], times: np.ndarray) -> np.ndarray:
@@ -431,8 +462,9 @@ def sweep_chart(keys: list[str], rows: list[dict[str, Any]], out: Path) -> list[
 
 
 def cost_chart(rows: list[dict[str, Any]], out: Path) -> list[Path]:
-    """``cost``: total bytes and communication time (log scales), one bar per topology in
-    each method's group, "n/a" where the method does not fit the topology."""
+    """``cost``: total bytes and communication time (log scales where any bar is positive:
+    matplotlib cannot draw a log axis without), one bar per topology in each method's
+    group, "n/a" where the method does not fit the topology."""
     methods = list(dict.fromkeys(r["method"] for r in rows))
     kinds = list(dict.fromkeys(r["topology"] for r in rows))
     cell = {(r["method"], r["topology"]): r for r in rows}
@@ -442,23 +474,32 @@ def cost_chart(rows: list[dict[str, Any]], out: Path) -> list[Path]:
     x = np.arange(len(methods))
     panels = [("total_bytes", 1e6, "total MB sent"), ("comm_time_s", 1.0, "communication time (s)")]
     for ax, (key, scale, title) in zip(axes, panels, strict=True):
+        positive = False
         for j, kind in enumerate(kinds):
             pos = x - 0.4 + width * (j + 0.5)
             values = [cell[(m, kind)].get(key) for m in methods]
             heights = [np.nan if v is None else v / scale for v in values]
+            positive |= any(h > 0 for h in heights)
             bars = ax.bar(pos, heights, width, label=kind)
             ax.bar_label(bars, fmt="%.4g", fontsize=6, rotation=90, padding=2)
             for p, v in zip(pos, values, strict=True):
                 if v is None:
                     ax.text(p, 0.02, "n/a", transform=ax.get_xaxis_transform(), ha="center",
                             va="bottom", fontsize=7, rotation=90, color="grey")  # fmt: skip
-        ax.set_yscale("log")
+        if positive:
+            ax.set_yscale("log")
+        else:
+            ax.set_yticks([])  # only n/a bars (or zeros): no scale to read
         ax.margins(y=0.25)
         ax.set_ylabel(title)
         ax.grid(axis="y", alpha=0.3)
     only = {r["method"] for r in rows if r["note"].startswith("cost only")}
     names = [f"{m}\n(cost only)" if m in only else m for m in methods]
     axes[1].set_xticks(x, names, rotation=30, ha="right")
+    axes[1].set_xlim(-0.5, len(methods) - 0.5)  # n/a bars have no extent of their own
     axes[0].legend(title="topology", fontsize=8)
-    fig.suptitle("Analytic communication cost per method and topology")
+    title = "Analytic communication cost per method and topology"
+    if all(r.get("total_bytes") is None for r in rows):
+        title += "\n(no method fits these topologies: every bar is n/a, cost.csv says why)"
+    fig.suptitle(title)
     return save(fig, out, "cost")
