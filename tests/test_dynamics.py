@@ -342,3 +342,31 @@ def test_the_real_command_writes_fates_and_availability(tmp_path):
 def test_a_directed_graph_cannot_be_the_base_topology():
     with pytest.raises(ConfigError, match="directed"):
         build_topology({"kind": "s_out"}, 5, 0)
+
+
+@pytest.mark.parametrize(
+    "algorithm",
+    [
+        {"name": "gossip", "rounds": 4},
+        {"name": "adpsgd", "rounds": 4},
+        {"name": "fedseq", "skip_offline": True},
+    ],
+)
+def test_methods_without_a_round_barrier_send_on_the_graph_of_their_round(tmp_path, algorithm):
+    """With a directed graph redrawn every round, gossip, AD-PSGD and FedSeq's chain ask
+    for the neighbours of the round their message carries (AD-PSGD: a partner that can
+    answer it): no message goes on an edge that is not there (they sent 16 of 24, 8 of 25
+    and the chain's first hop on the static graph's edges, and FedSeq's chain ended there)."""
+    summary = run_experiment(
+        tmp_path,
+        topology={"kind": "mesh" if algorithm["name"] == "fedseq" else "ring"},
+        peers={"count": 6},
+        algorithm=algorithm,
+        network={"graph": {"every": "round", "kind": "s_out", "s": 2}},
+    )
+    assert summary["status"] == "ok"
+    assert set(summary["comm"]["by_fate"]) == {"delivered"}
+    if algorithm["name"] == "fedseq":  # the chain went on past its first hop (to 4 peers;
+        # the 2 others it skipped: not among the out-neighbours when their turn came)
+        assert summary["comm"]["messages"] == 3
+        assert sum(p["accuracy"] is not None for p in summary["per_peer"]) == 4

@@ -92,7 +92,9 @@ class ADPSGD(Method):
     def active(self, ctx: NodeContext) -> Behaviour:
         x = ctx.init_state()
         for k in range(1, self.rounds + 1):
-            partners = [j for j in (yield Neighbours()) if not is_active(j)]
+            # a partner must be able to answer: on a directed graph, an edge both ways
+            back = set((yield Neighbours(round=k, incoming=True)))
+            partners = [j for j in (yield Neighbours(round=k)) if not is_active(j) and j in back]
             partner = None
             if partners:
                 partner = self.partner(partners, ctx.seed, ctx.node, k)

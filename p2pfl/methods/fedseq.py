@@ -99,8 +99,10 @@ class FedSeq(Method):
             later = [h for h in range(hop + 1, last + 1) if chain[(h - 1) % n] != ctx.node]
             target = None
             for _ in range(10 if later else 0):
-                online = set((yield Neighbours()))
-                target = next((h for h in later if chain[(h - 1) % n] in online), None)
+                for h in later:  # hop h's message is round h - 1: that round's graph, if redrawn
+                    if chain[(h - 1) % n] in (yield Neighbours(round=h - 1)):
+                        target = h
+                        break
                 if target is not None:
                     break
                 yield Wait(until=(yield Now()) + self.retry_s)

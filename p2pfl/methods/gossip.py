@@ -78,7 +78,7 @@ class Gossip(Method):
                 state = average_states([state] + [m.tensors for m in arrived])
             if arrived or self.train_idle:
                 state = (yield Train(state, k)).state
-            online = yield Neighbours()
+            online = yield Neighbours(round=k)  # the graph of period k, if redrawn
             if online:
                 yield Send(self.select_peer(online, ctx.seed, ctx.node, k), "model", k, state)
             yield Evaluate(state, k)
