@@ -432,3 +432,18 @@ def test_attacked_runs_in_two_processes_with_other_hash_seeds_agree(tmp_path):
         subprocess.run(cmd, check=True, env=env, cwd=ROOT, capture_output=True)
     for name in ("comm.csv", "metrics.csv"):
         assert (tmp_path / "1" / name).read_bytes() == (tmp_path / "2" / name).read_bytes()
+
+
+def test_a_model_attack_on_push_sum_is_refused_and_a_data_attack_runs(tmp_path):
+    """Push-sum sends shares of x, not models: a model attack would corrupt the wrong
+    quantity (sign_flip with no training moved the loss from 2.34 to 7.86), so it is one
+    error naming the key; a data attack (label_flip) applies as on any method."""
+    sections = {
+        "topology": {"kind": "ring"},
+        "peers": {"count": 4},
+        "algorithm": {"name": "pushsum", "rounds": 2},
+    }
+    with pytest.raises(ConfigError, match="adversary.attack: pushsum sends shares"):
+        build(experiment(**sections, adversary={"peers": [0], "attack": "sign_flip"}))
+    flipped = run_experiment(tmp_path, **sections, adversary={"peers": [0], "attack": "label_flip"})
+    assert flipped["status"] == "ok"

@@ -92,6 +92,8 @@ def build(config: dict[str, Any], transport: str = "sim") -> Setup:
     adversary = None
     if "adversary" in config:
         adversary = _within("adversary", build_adversary, config["adversary"], topology, seed)
+        if adversary is not None and adversary.attack.corrupts and method.unattackable:
+            raise ConfigError("attack", method.unattackable).within("adversary")
     if adversary is not None:  # a data attack changes what the attackers train on
         for p in adversary.peers:
             data.peers[p] = adversary.attack.poison(data.peers[p], data.num_classes)

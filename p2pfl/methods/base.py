@@ -71,6 +71,8 @@ class Method:
     topologies: ClassVar[tuple[str, ...]] = ()
     #: the method has no server: a topology with one (a star) is refused.
     serverless: ClassVar[bool] = False
+    #: why the ``adversary:`` attacks do not apply to what it sends (None: they do).
+    unattackable: ClassVar[str | None] = None
 
     def check(self, topology: Topology, seed: int) -> None:
         """Raise ``ConfigError`` (key ``kind``) if the method cannot run on ``topology``."""

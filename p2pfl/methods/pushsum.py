@@ -57,6 +57,11 @@ class PushSum(Method):
     """SGP: local training on x/w, then push-sum mixing along the round's out-edges."""
 
     serverless = True
+    unattackable = (
+        "pushsum sends shares of its un-normalised model x (with weight w), not models: a "
+        "model attack, defined on models and their updates, would corrupt the wrong quantity "
+        "(data attacks and free_ride apply)"
+    )
 
     rounds: int = 20
     wait_s: float | None = None

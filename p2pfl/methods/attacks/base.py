@@ -76,6 +76,11 @@ class Attack:
     def poison(self, data: PeerData, num_classes: int) -> PeerData:
         return data
 
+    @property
+    def corrupts(self) -> bool:
+        """Whether it changes the models the attacker sends (a model attack)."""
+        return type(self).corrupt is not Attack.corrupt
+
 
 ATTACKS: Registry[type[Attack]] = Registry("attack")
 
