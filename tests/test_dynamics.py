@@ -370,3 +370,24 @@ def test_methods_without_a_round_barrier_send_on_the_graph_of_their_round(tmp_pa
         # the 2 others it skipped: not among the out-neighbours when their turn came)
         assert summary["comm"]["messages"] == 3
         assert sum(p["accuracy"] is not None for p in summary["per_peer"]) == 4
+
+
+@pytest.mark.parametrize(
+    "online",
+    [
+        {"dist": "weibull", "mean_s": 60.0, "shape": 0.6},
+        {"dist": "lognormal", "mean_s": 60.0, "sigma": 1.5},
+        {"dist": "uniform", "mean_s": 60.0},
+        {"dist": "constant", "mean_s": 10.0},
+    ],
+)
+def test_churn_starts_in_its_stationary_state(online):
+    """The first session is what is left of one under way, so the offline share is the
+    asked one from t = 0, not only in the long run (heavy-tailed Weibull sessions had 39%
+    offline at t = 5 s for 25% asked; constant ones all switched at once)."""
+    peers = 2000
+    topology = build_topology({"kind": "ring"}, peers, 0)
+    net = Network({"churn": {"online": online, "offline_fraction": 0.25}}, topology, 0)
+    for t in (0.0, 5.0, 10.0, 30.0, 300.0):
+        offline = sum(not net.online(p, t) for p in range(peers)) / peers
+        assert abs(offline - 0.25) < 0.035, (t, offline)

@@ -23,6 +23,8 @@ The ``network:`` section of an experiment (every key below; all optional)::
         kind: s_out               # any topology kind (its keys beside it), e.g. s_out with s: 3
         schedule: [{at_s: 0, kind: ring}, {at_s: 60, kind: mesh}]   # or fixed graphs with times
 
+Churn starts in its stationary state (a peer is offline at t = 0 with the long-run share, and
+its first session is what is left of one under way), so that share holds from the start.
 Everything is drawn from the run's seed, in streams of its own per peer (churn, crashes) and
 per sender (loss, jitter), so the same seed gives the same network in every runtime. What
 happens to a message is decided here, never by a method: see :meth:`Network.fate`.
@@ -77,6 +79,25 @@ class Distribution:
         if self.dist == "uniform":
             return float(rng.uniform(0.0, 2 * m))
         return m
+
+    def residual(self, rng: np.random.Generator) -> float:
+        """What is left of a session under way at a random instant (density (1 − F(t))/mean):
+        the first session of a run that starts in its stationary state. A session caught
+        under way is drawn length-biased (density ℓ·f(ℓ)/mean), then cut at a uniform point;
+        the exponential is memoryless: a fresh draw."""
+        m = self.mean_s
+        if self.dist == "exponential":
+            return self.draw(rng)
+        if self.dist == "weibull":  # length-biased: scale · Gamma(1 + 1/k)^(1/k)
+            scale = m / math.gamma(1 + 1 / self.shape)
+            caught = scale * rng.gamma(1 + 1 / self.shape) ** (1 / self.shape)
+        elif self.dist == "lognormal":  # length-biased: its log's mean moves up by σ²
+            caught = rng.lognormal(math.log(m) + self.sigma**2 / 2, self.sigma)
+        elif self.dist == "uniform":  # length-biased on [0, 2m]: density ∝ ℓ
+            caught = 2 * m * math.sqrt(rng.random())
+        else:
+            caught = m
+        return float(caught * rng.random())
 
 
 def _distribution(options: Any, key: str) -> Distribution:
@@ -313,7 +334,9 @@ class _Sessions:
     def _extend(self, t: float) -> None:
         while self.horizon <= t:
             online = self.start_online == (len(self.switches) % 2 == 0)
-            self.horizon += (self.on if online else self.off).draw(self.rng)
+            session = self.on if online else self.off
+            first = not self.switches  # under way at t = 0: what is left of it
+            self.horizon += session.residual(self.rng) if first else session.draw(self.rng)
             self.switches.append(self.horizon)
 
     def online(self, t: float) -> bool:
