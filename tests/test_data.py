@@ -7,6 +7,8 @@ import gzip
 import pickle
 import struct
 import time
+import tracemalloc
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -23,7 +25,7 @@ from p2pfl.data import (
     load_dataset,
     make_federated_data,
 )
-from p2pfl.data.datasets import DEBIAN_FASHION_MNIST, _read_digits
+from p2pfl.data.datasets import DEBIAN_FASHION_MNIST, _read_digits, read_idx
 from p2pfl.data.federated import rotate
 from p2pfl.reporting.partition import save_partition
 
@@ -208,6 +210,72 @@ def test_subsets_and_option_errors() -> None:
         with pytest.raises(ConfigError) as e:
             load_dataset(options, seed=0)
         assert e.value.key == key
+
+
+def write_float_idx(path: Path, array: np.ndarray) -> None:
+    """An IDX file of big-endian float32 ``array`` (type code 0x0D)."""
+    header = bytes([0, 0, 0x0D, array.ndim]) + struct.pack(f">{array.ndim}I", *array.shape)
+    path.write_bytes(header + array.astype(">f4").tobytes())
+
+
+def test_a_gzip_bomb_idx_is_refused_without_inflating_it(tmp_path: Path) -> None:
+    path = tmp_path / "train-images-idx3-ubyte.gz"
+    z = zlib.compressobj(9, zlib.DEFLATED, 31)  # gzip framing
+    body = [z.compress(bytes([0, 0, 8, 3]) + struct.pack(">3I", 1, 28, 28))]
+    body += [z.compress(bytes(1 << 20)) for _ in range(100)]  # 100 MB past the 784 declared
+    path.write_bytes(b"".join([*body, z.flush()]))
+    tracemalloc.start()
+    try:
+        with pytest.raises(ConfigError) as e:
+            read_idx(path)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert e.value.key == "root" and "more than 784 bytes" in e.value.message
+    assert peak < 10 << 20
+
+
+@pytest.mark.parametrize("bad", [np.nan, 0.5])
+def test_idx_labels_must_be_whole_numbers(tmp_path: Path, bad: float) -> None:
+    write_idx_dataset(tmp_path, np.random.default_rng(0), gz=False)
+    write_float_idx(tmp_path / "train-labels-idx1-ubyte", np.array([bad] + [1.0] * 29))
+    with pytest.raises(ConfigError) as e:
+        load_dataset({"name": "mnist", "root": str(tmp_path)}, seed=0)
+    assert e.value.key == "root" and "whole numbers 0..9" in e.value.message
+
+
+@pytest.mark.parametrize(
+    ("train", "test"),
+    [((30, 28, 28), (12, 32, 32)), ((30, 28, 28), (0, 28, 28)), ((30, 0, 0), (12, 0, 0))],
+    ids=["shapes-differ", "empty-test", "0x0"],
+)
+def test_train_and_test_images_must_match_and_be_non_empty(
+    tmp_path: Path, train: tuple, test: tuple
+) -> None:
+    rng = np.random.default_rng(0)
+    write_idx_dataset(tmp_path, rng, gz=False)
+    for name, shape in [("train", train), ("t10k", test)]:
+        write_idx(tmp_path / f"{name}-images-idx3-ubyte", rng.integers(0, 256, shape), gz=False)
+        write_idx(tmp_path / f"{name}-labels-idx1-ubyte", rng.integers(0, 10, shape[0]), gz=False)
+    with pytest.raises(ConfigError) as e:
+        load_dataset({"name": "mnist", "root": str(tmp_path)}, seed=0)
+    assert e.value.key == "root" and "share one shape" in e.value.message
+
+
+@pytest.mark.parametrize(("x", "y"), [((32, 32, 1, 4), [[1]] * 4), ((32, 32, 3, 2), [[1.5], [2]])])
+def test_svhn_checks_image_shape_and_labels(tmp_path: Path, x: tuple, y: list) -> None:
+    for split in ("train", "test"):
+        scipy.io.savemat(tmp_path / f"{split}_32x32.mat", {"X": np.zeros(x, np.uint8), "y": y})
+    with pytest.raises(ConfigError) as e:
+        load_dataset({"name": "svhn", "root": str(tmp_path)}, seed=0)
+    assert e.value.key == "root" and "SVHN" in e.value.message
+
+
+@pytest.mark.parametrize("name", ["mnist", "fashion_mnist", "cifar10", "svhn"])
+def test_a_root_of_an_unknown_user_is_a_config_error(name: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        load_dataset({"name": name, "root": "~p2pfl-no-such-user/x"}, seed=0)
+    assert e.value.key == "root" and "cannot expand" in e.value.message
 
 
 # --- partitioners -------------------------------------------------------------------------
@@ -444,3 +512,27 @@ def test_save_partition(digits: Dataset, tmp_path: Path) -> None:
     assert all(int(r["total"]) == sum(int(r[f"class_{c}"]) for c in range(10)) for r in rows)
     png = (tmp_path / "out" / "partition.png").read_bytes()
     assert png.startswith(b"\x89PNG") and len(png) > 1000
+
+
+def test_tiny_alpha_with_a_legacy_seed_keeps_the_skew_and_the_cap() -> None:
+    """RandomState.dirichlet draws NaN for alpha below ~1e-3: the NaNs count as zeros."""
+    labels = np.repeat(np.arange(10), 100)
+    parts = PARTITIONERS.get("dirichlet")(labels, 5, np.random.RandomState(0), alpha=1e-5)
+    assert max(len(p) for p in parts) <= 200 + 100  # a full peer takes no more classes
+    rng = np.random.RandomState(0)  # draws two NaN rows (peers 0 and 2) out of five
+    parts = PARTITIONERS.get("peer_dirichlet")(labels, 5, rng, alpha=1e-4, min_size=0)
+    assert sorted(len(p) for p in parts) != [200] * 5  # not the even fallback for every class
+
+
+def test_shards_refuse_to_leave_classes_unused() -> None:
+    with pytest.raises(ConfigError) as e:
+        split("shards", peers=4, classes_per_peer=2)
+    assert e.value.key == "classes_per_peer" and "leave 2 of the 10 classes" in e.value.message
+
+
+def test_a_val_fraction_leaving_a_peer_no_training_samples_names_it() -> None:
+    tiny = load_dataset({"name": "digits", "subset": 30}, seed=0)
+    options = {"name": "iid", "val_fraction": 0.99999999999}
+    with pytest.raises(ConfigError) as e:
+        make_federated_data(tiny, options, num_peers=3, seed=0)
+    assert e.value.key == "val_fraction" and "peer 0 (10 samples)" in e.value.message

@@ -520,3 +520,18 @@ def test_force_replaces_a_run_with_what_p2pfl_added_to_it(tmp_path, capsys, fini
     assert not (out / "plots").exists() and not (out / "summary.json.tmp").exists()
     assert not (out / "pool_distances.csv").exists()
     assert yaml.safe_load((out / "config.yaml").read_text())["algorithm"]["rounds"] == 2
+
+
+# --- keys that are not strings, and --set values that are not UTF-8 -------------------------
+@pytest.mark.parametrize(
+    ("text", "argv", "needle"),
+    [
+        ("1: 2\n", [], ": 1: unknown top-level key"),
+        ("", ["--set", "partition={name: iid, 1: 2, x: 3}"], "partition.1: unknown key"),
+        ("", ["--set", "name=\udcff\udcfe"], "--set: is not valid UTF-8"),
+    ],
+    ids=["top-level", "partition", "non-utf8"],
+)
+def test_an_odd_key_or_undecodable_set_is_one_error_line(tmp_path, capsys, text, argv, needle):
+    path = exp_file(tmp_path, yaml.safe_dump(BASE) + text)
+    run_refused(tmp_path, capsys, path, argv, needle)

@@ -66,6 +66,15 @@ CATALOGUE: list[tuple[dict[str, Any], list[str], str]] = [
     ({"partition": {"name": "iid", "seed": -1}}, [], "partition.seed"),
     ({"partition": {"name": "dirichlet", "min_size": 500}}, [], "partition.min_size"),
     ({"partition": {"name": "shards", "classes_per_peer": 11}}, [], "partition.classes_per_peer"),
+    ({"partition": {"name": "shards"}, "peers": {"count": 4}}, [], "partition.classes_per_peer"),
+    (
+        {
+            "dataset": {"name": "digits", "subset": 40},
+            "partition": VAL0 | {"val_fraction": 1 - 1e-11},
+        },
+        [],
+        "partition.val_fraction",
+    ),
     ({"partition": {"name": "disjoint"}, "peers": {"count": 11}}, [], "partition.name"),
     ({"partition": {"name": "domain", "angles": []}}, [], "partition.angles"),
     # model

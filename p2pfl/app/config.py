@@ -58,6 +58,10 @@ def apply_set(config: dict[str, Any], assignment: str) -> None:
     if not sep or not key or any(not part for part in key.split(".")):
         raise ConfigError("--set", f"expected key.path=value, got {assignment!r}")
     try:
+        assignment.encode()
+    except UnicodeEncodeError:  # bytes that are not UTF-8 on the command line
+        raise ConfigError("--set", f"is not valid UTF-8: {assignment!r}") from None
+    try:
         value = parse_yaml(raw)
     except yaml.YAMLError:
         value = raw

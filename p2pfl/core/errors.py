@@ -12,7 +12,7 @@ class ConfigError(Exception):
 
     def __init__(self, key: str, message: str, file: str | None = None) -> None:
         super().__init__(message)
-        self.key = key
+        self.key = str(key)  # a YAML key may be a number
         self.message = message
         self.file = file
 

@@ -129,7 +129,7 @@ def bind(
     caller handles itself (``name``, ``kind``, an included ``file``).
     """
     params, hints = parameters(fn, skip), _type_hints(fn)
-    unknown = sorted(set(options) - set(params))
+    unknown = sorted(set(options) - set(params), key=str)
     if unknown:
         raise unknown_key(unknown[0], [*params, *also])
     out: dict[str, Any] = {}
@@ -161,7 +161,7 @@ def bind_with_common(
     one side's.
     """
     own, shared = parameters(fn, skip), parameters(common, common_skip)
-    unknown = sorted(set(options) - set(own) - set(shared))
+    unknown = sorted(set(options) - set(own) - set(shared), key=str)
     if unknown:
         raise unknown_key(unknown[0], [*own, *shared, *also])
     mine = {k: v for k, v in options.items() if k in own}
@@ -171,7 +171,7 @@ def bind_with_common(
 
 def unknown_key(key: str, valid: list[str]) -> ConfigError:
     """The error for a key a section does not have, listing the keys it has."""
-    listed = ", ".join(sorted(set(valid))) or "(none)"
+    listed = ", ".join(sorted(set(valid), key=str)) or "(none)"
     return ConfigError(key, f"unknown key; valid keys are: {listed}")
 
 

@@ -133,6 +133,14 @@ def _to_dataset(
         return torch.from_numpy(x.astype(np.float32)).div_(scale).sub_(m).div_(s)
 
     train_x, train_y, test_x, test_y = arrays
+    shape = train_x.shape[1:]
+    if test_x.shape[1:] != shape or min(shape[1:]) < 1 or not len(train_x) or not len(test_x):
+        raise ConfigError(
+            "root",
+            f"{name}: train images {list(train_x.shape)} and test images "
+            f"{list(test_x.shape)} must share one shape [C, H, W] with H, W >= 1 and "
+            "hold at least one image each",
+        )
     return Dataset(
         name,
         images(train_x),
@@ -141,6 +149,14 @@ def _to_dataset(
         torch.from_numpy(test_y.astype(np.int64)),
         num_classes=10,
     )
+
+
+def _root(root: str) -> Path:
+    """``root`` with ``~`` expanded; an unknown ``~user`` is a ConfigError."""
+    try:
+        return Path(root).expanduser()
+    except RuntimeError as e:
+        raise ConfigError("root", f"cannot expand {root!r}: {e}") from None
 
 
 def _frozen(*arrays: np.ndarray) -> Arrays:
@@ -197,28 +213,45 @@ _IDX_FILES = (
 
 
 def read_idx(path: Path) -> np.ndarray:
-    """Read one IDX file, gzipped or plain; a corrupt or truncated one is a ConfigError."""
+    """Read one IDX file, gzipped or plain; a corrupt or truncated one is a ConfigError.
+
+    A gzipped file is streamed: only the bytes its header declares are inflated (a few more
+    show it is too long), so a small file that inflates to gigabytes is never held."""
     try:
-        raw = path.read_bytes()
-        if raw[:2] == b"\x1f\x8b":
-            raw = gzip.decompress(raw)
+        with path.open("rb") as f:
+            gz = f.read(2) == b"\x1f\x8b"
+        with gzip.open(path, "rb") if gz else path.open("rb") as f:
+            magic = f.read(4)
+            if len(magic) < 4 or magic[:2] != b"\0\0" or magic[2] not in _IDX_DTYPES:
+                raise ConfigError("root", f"{path} is not an IDX file (magic number {magic.hex()})")
+            head = f.read(4 * magic[3])
+            if len(head) < 4 * magic[3]:
+                raise ConfigError("root", f"{path} is truncated (incomplete IDX header)")
+            dims = struct.unpack(f">{magic[3]}I", head)
+            dtype = np.dtype(_IDX_DTYPES[magic[2]])
+            expected = math.prod(dims) * dtype.itemsize
+            chunks, got = [], 0
+            while got < expected and (chunk := f.read(min(expected - got, 1 << 24))):
+                chunks.append(chunk)
+                got += len(chunk)
+            extra = len(f.read(1 << 16))
     except (OSError, EOFError, zlib.error) as e:
         raise ConfigError("root", f"cannot read {path}: {e}") from None
-    if len(raw) < 4 or raw[:2] != b"\0\0" or raw[2] not in _IDX_DTYPES:
-        raise ConfigError("root", f"{path} is not an IDX file (magic number {raw[:4].hex()})")
-    header = 4 + 4 * raw[3]
-    if len(raw) < header:
-        raise ConfigError("root", f"{path} is truncated (incomplete IDX header)")
-    dims = struct.unpack(f">{raw[3]}I", raw[4:header])
-    dtype = np.dtype(_IDX_DTYPES[raw[2]])
-    expected = header + math.prod(dims) * dtype.itemsize
-    if len(raw) != expected:
+    if got != expected or extra:
+        size = f"{got} bytes" if got < expected else f"more than {expected} bytes"
         raise ConfigError(
             "root",
-            f"{path} is truncated or corrupt: {len(raw)} bytes, expected {expected} "
+            f"{path} is truncated or corrupt: {size} of data, expected {expected} "
             f"for shape {list(dims)}",
         )
-    return np.frombuffer(raw, dtype, offset=header).reshape(dims)
+    return np.frombuffer(b"".join(chunks), dtype).reshape(dims)
+
+
+def _whole(y: np.ndarray, low: int, high: int) -> bool:
+    """Whether every label is a whole number in ``low..high`` (NaN is not)."""
+    return bool(np.isfinite(y).all() and (y % 1 == 0).all()) and (
+        not y.size or low <= y.min() <= y.max() <= high
+    )
 
 
 def _find_idx_files(dirs: list[Path], what: str) -> list[Path]:
@@ -249,8 +282,8 @@ def _read_idx_dataset(dirs: tuple[Path, ...], what: str) -> Arrays:
                 f"{p.parent}: {what} IDX files must hold uint8 images [n, H, W] and n labels, "
                 f"got images {x.dtype} {list(x.shape)} and labels {list(y.shape)}",
             )
-        if y.size and not 0 <= int(y.min()) <= int(y.max()) < 10:
-            raise ConfigError("root", f"{p.parent}: {what} labels must be in 0..9")
+        if not _whole(y, 0, 9):
+            raise ConfigError("root", f"{p.parent}: {what} labels must be whole numbers 0..9")
     return _frozen(
         train_x[:, None], train_y.astype(np.int64), test_x[:, None], test_y.astype(np.int64)
     )
@@ -269,7 +302,7 @@ def fashion_mnist(*, root: str | None = None, mean: float = 0.2860, std: float =
         dirs: tuple[Path, ...] = (DEBIAN_FASHION_MNIST,)
         what = "Fashion-MNIST (install the Debian package dataset-fashion-mnist or set root)"
     else:
-        base = Path(root).expanduser()
+        base = _root(root)
         dirs, what = (base, base / "FashionMNIST" / "raw"), "Fashion-MNIST"
     return _to_dataset("fashion_mnist", _read_idx_dataset(dirs, what), 255.0, [mean], [std])
 
@@ -277,7 +310,7 @@ def fashion_mnist(*, root: str | None = None, mean: float = 0.2860, std: float =
 @DATASETS.register("mnist")
 def mnist(*, root: str) -> Dataset:
     """MNIST from a torchvision root (``root/MNIST/raw``) or a directory of its IDX files."""
-    base = Path(root).expanduser()
+    base = _root(root)
     arrays = _read_idx_dataset((base / "MNIST" / "raw", base), "MNIST")
     return _to_dataset("mnist", arrays, 255.0, [0.1307], [0.3081])
 
@@ -291,7 +324,7 @@ _CIFAR_TRAIN = tuple(f"data_batch_{i}" for i in range(1, 6))
 def cifar10(*, root: str) -> Dataset:
     """CIFAR-10 from torchvision's layout: the python pickle batches in
     ``root/cifar-10-batches-py`` (or in ``root`` itself)."""
-    base = Path(root).expanduser()
+    base = _root(root)
     arrays = _read_cifar10((base / "cifar-10-batches-py", base))
     return _to_dataset("cifar10", arrays, 255.0, [0.4914, 0.4822, 0.4465], [0.2470, 0.2435, 0.2616])
 
@@ -335,7 +368,7 @@ def _read_cifar_batch(path: Path) -> tuple[np.ndarray, np.ndarray]:
 def svhn(*, root: str) -> Dataset:
     """SVHN cropped digits: ``train_32x32.mat`` and ``test_32x32.mat`` in ``root`` (as
     torchvision's SVHN keeps them); label 10 (digit 0) becomes 0."""
-    arrays = _read_svhn(Path(root).expanduser())
+    arrays = _read_svhn(_root(root))
     return _to_dataset("svhn", arrays, 255.0, [0.4377, 0.4438, 0.4728], [0.1980, 0.2010, 0.1970])
 
 
@@ -358,10 +391,13 @@ def _read_svhn_mat(path: Path) -> tuple[np.ndarray, np.ndarray]:
 
     try:
         mat = scipy.io.loadmat(path)
-        x = np.ascontiguousarray(np.asarray(mat["X"], dtype=np.uint8).transpose(3, 2, 0, 1))
-        y = np.asarray(mat["y"], dtype=np.int64).reshape(-1)
+        x = np.asarray(mat["X"], dtype=np.uint8)
+        y = np.asarray(mat["y"], dtype=np.float64).reshape(-1)
     except Exception as e:  # scipy raises many types for a bad file
         raise ConfigError("root", f"{path} is not an SVHN .mat file: {e!r}") from None
-    if len(x) != len(y) or (y.size and not 1 <= y.min() <= y.max() <= 10):
-        raise ConfigError("root", f"{path}: SVHN labels must be 1..10, one per image")
-    return x, y % 10
+    if x.ndim != 4 or x.shape[:3] != (32, 32, 3):
+        raise ConfigError("root", f"{path}: SVHN X must be [32, 32, 3, n], got {list(x.shape)}")
+    x = np.ascontiguousarray(x.transpose(3, 2, 0, 1))
+    if len(x) != len(y) or not _whole(y, 1, 10):
+        raise ConfigError("root", f"{path}: SVHN labels must be whole numbers 1..10, one per image")
+    return x, y.astype(np.int64) % 10

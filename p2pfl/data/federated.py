@@ -108,6 +108,13 @@ def make_federated_data(
         if len(idx) == 0:
             raise ConfigError("", f"peer {i} got no training samples; use fewer peers")
     n_val = [split.validation_size(len(idx)) for idx in parts]
+    for i, (idx, nv) in enumerate(zip(parts, n_val, strict=True)):
+        if nv >= len(idx):
+            raise ConfigError(
+                "val_fraction",
+                f"{split.val_fraction} leaves peer {i} ({len(idx)} samples) no training "
+                "samples; lower val_fraction",
+            )
     # every peer's training samples end to end in one tensor (batched training takes it as
     # it is: learning/batched.DataPool), its validation samples in another
     pairs = list(zip(parts, n_val, strict=True))

@@ -69,7 +69,7 @@ def dirichlet(
         sizes = np.zeros(num_peers, dtype=np.int64)
         for k in np.unique(labels):
             idx = rng.permutation(np.flatnonzero(labels == k))
-            p = rng.dirichlet(np.full(num_peers, alpha)) * (sizes < n / num_peers)
+            p = _finite(rng.dirichlet(np.full(num_peers, alpha))) * (sizes < n / num_peers)
             if p.sum() == 0:
                 p = (sizes < n / num_peers).astype(float)
             cuts = (np.cumsum(p / p.sum()) * len(idx)).astype(int)[:-1]
@@ -79,6 +79,14 @@ def dirichlet(
         return parts
 
     return _redraw(draw, rng, min_size, max_tries)
+
+
+def _finite(p: np.ndarray) -> np.ndarray:
+    """``p`` with non-finite entries set to 0: the legacy ``RandomState.dirichlet`` draws NaN
+    for alpha below about 1e-3, which must fall into the all-zero fallback."""
+    if not np.isfinite(p).all():
+        p = np.where(np.isfinite(p), p, 0.0)
+    return p
 
 
 def _check_skew(
@@ -140,7 +148,7 @@ def peer_dirichlet(
     classes = np.unique(labels)
 
     def draw() -> list[list[np.ndarray]]:
-        q = rng.dirichlet(np.full(len(classes), alpha), size=num_peers)
+        q = _finite(rng.dirichlet(np.full(len(classes), alpha), size=num_peers))
         parts: list[list[np.ndarray]] = [[] for _ in range(num_peers)]
         for col, k in enumerate(classes):
             idx = rng.permutation(np.flatnonzero(labels == k))
@@ -163,14 +171,21 @@ def shards(
     classes_per_peer: int = 2,
 ) -> list[np.ndarray]:
     """Each peer holds ``classes_per_peer`` classes, taken round-robin from a shuffled class
-    order (so every class is used when peers x classes_per_peer >= classes); each class's
-    samples are split evenly among the peers holding it."""
+    order, so every class is used (peers x classes_per_peer must reach the number of
+    classes); each class's samples are split evenly among the peers holding it."""
     _check_peers(labels, num_peers)
     classes = np.unique(labels)
     if not 1 <= classes_per_peer <= len(classes):
         raise ConfigError(
             "classes_per_peer",
             f"must be between 1 and the {len(classes)} classes, got {classes_per_peer}",
+        )
+    if num_peers * classes_per_peer < len(classes):
+        lost = len(classes) - num_peers * classes_per_peer
+        raise ConfigError(
+            "classes_per_peer",
+            f"{num_peers} peers x {classes_per_peer} classes each leave {lost} of the "
+            f"{len(classes)} classes unused; raise classes_per_peer or use more peers",
         )
     order = rng.permutation(classes)
     held = [
