@@ -86,7 +86,8 @@ class Gossip(Method):
 
     def transfers(self, plan: Plan) -> Iterator[Transfer]:
         """With every peer online: each period every peer sends one model, to the neighbour
-        its stream draws; R·N·M in all, on any graph."""
+        its stream draws; R·N·M in all, on any graph (an upper bound when a training
+        outlasts ``period_s``: the peer then skips the periods it missed)."""
         topology = plan.topology
         for k in range(1, self.rounds + 1):
             for i in topology.peers:
