@@ -250,6 +250,44 @@ def test_keys_are_written_with_private_secrets(tmp_path):
         assert (secret, public) == (0o600, 0o644)
 
 
+def test_keys_never_replace_keys_already_made(tmp_path, capsys):
+    """A second ``p2pfl keys`` into the same directory would leave the copies on other hosts
+    unmatched (and a secret already world-readable stayed so): one error line, nothing
+    changed."""
+    keys = tmp_path / "keys"
+    assert main(["keys", str(keys), "--peers", "2"]) == 0
+    before = {p.name: p.read_bytes() for p in keys.iterdir()}
+    assert main(["keys", str(keys), "--peers", "3"]) == 2
+    assert "already holds 0.key" in one_error_line(capsys)
+    assert {p.name: p.read_bytes() for p in keys.iterdir()} == before
+
+
+@pytest.mark.parametrize("spoil", ["garbage", "truncated", "missing"])
+def test_a_broken_or_missing_public_key_is_one_line_before_any_peer_starts(tmp_path, capsys, spoil):
+    """Node 2's public key is garbage, a truncated key, or missing: every node needs every
+    other's public key (its inbox knows every sender), so the run is refused before a
+    peer is forked (a traceback, a peer's 'Invalid argument' after the start, or an
+    error after the start for a non-neighbour's key)."""
+    keys = tmp_path / "keys"
+    assert main(["keys", str(keys), "--peers", "4", "--server"]) == 0
+    public = keys / "2.key"
+    if spoil == "garbage":
+        public.write_text("garbage\n")
+    elif spoil == "truncated":
+        text = public.read_text()
+        start = text.index('public-key = "') + len('public-key = "')
+        public.write_text(text[: start + 10] + text[start + 40 :])
+    else:
+        public.unlink()
+    capsys.readouterr()
+    config = QUICK | {"transport": {"curve_keys": str(keys)}}
+    out = tmp_path / "out"
+    args = ["run", str(write(tmp_path, config)), "--out", str(out), "--transport", "zmq"]
+    assert main(args + ["--quiet"]) == 2
+    assert "transport.curve_keys" in one_error_line(capsys)
+    assert not out.exists()
+
+
 @pytest.mark.parametrize(
     ("key", "value", "message"),
     [

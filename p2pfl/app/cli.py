@@ -530,13 +530,22 @@ def cmd_keys(args: argparse.Namespace) -> int:
     if not 1 <= args.peers <= MAX_PEERS:
         raise ConfigError("--peers", f"must be in 1..{MAX_PEERS:,}, got {args.peers}")
     directory = output_dir(args.directory)
-    directory.mkdir(parents=True, exist_ok=True)
     names = [str(i) for i in range(args.peers)] + (["server"] if args.server else [])
+    taken = [f"{n}{ext}" for n in names for ext in (".key", ".key_secret")]
+    if any((directory / f).exists() for f in taken):
+        held = next(f for f in taken if (directory / f).exists())
+        raise ConfigError(
+            "DIRECTORY",
+            f"{directory} already holds {held}: new keys would not match the copies other "
+            "hosts have; remove the old ones or choose another directory",
+        )
+    directory.mkdir(parents=True, exist_ok=True)
     mask = os.umask(0o077)  # secret keys are born private (0600), never world-readable
     try:
         for name in names:
-            public, _ = zmq.auth.create_certificates(directory, name)
+            public, secret = zmq.auth.create_certificates(directory, name)
             os.chmod(public, 0o644)  # public keys are meant to be shared
+            os.chmod(secret, 0o600)
     finally:
         os.umask(mask)
     print(f"{len(names)} CURVE key pairs in {directory}; keep the .key_secret files private")

@@ -33,6 +33,7 @@ import torch
 import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
+from zmq.utils import z85
 
 from p2pfl.core.errors import ConfigError, RunError
 from p2pfl.methods.effects import (
@@ -94,24 +95,41 @@ class CurveKeys:
         secret = self.directory / f"{name}.key_secret"
         if not secret.is_file():
             raise ConfigError("transport.curve_keys", f"no secret key {secret}")
-        self.public, self.secret = zmq.auth.load_certificate(secret)
+        self.public, private = _load_key(secret)
+        if private is None:
+            raise ConfigError("transport.curve_keys", f"{secret} holds no secret key")
+        self.secret: bytes = private
 
     def public_of(self, name: str) -> bytes:
         path = self.directory / f"{name}.key"
         if not path.is_file():
             raise ConfigError("transport.curve_keys", f"no public key {path}")
-        return zmq.auth.load_certificate(path)[0]
+        return _load_key(path)[0]
+
+
+def _load_key(path: Path) -> tuple[bytes, bytes | None]:
+    """A key file's (public, secret) keys, each 40 Z85 characters (32 bytes) once checked."""
+    try:
+        public, secret = zmq.auth.load_certificate(path)
+        for key in (public, secret):
+            if key is not None and len(z85.decode(key)) != 32:
+                raise ValueError("a key is 40 Z85 characters")
+    except (ValueError, OSError, UnicodeDecodeError) as e:
+        raise ConfigError("transport.curve_keys", f"{path}: not a CURVE key file ({e})") from None
+    return public, secret
 
 
 def check_curve_keys(transport: TransportConfig, topology: Topology, nodes: Iterable[int]) -> None:
-    """Load, up front, every CURVE key that ``nodes`` will: each one's own pair and its
-    neighbours' public keys (a ``ConfigError`` naming the missing file)."""
+    """Load, up front, every CURVE key that ``nodes`` will: each one's own pair and every
+    other node's public key (its inbox knows every sender; a ``ConfigError`` naming the
+    missing or broken file)."""
     if transport.curve_keys is None:
         return
     for node in nodes:
         keys = CurveKeys(transport.curve_keys, topology.name(node))
-        for other in topology.neighbours(node):
-            keys.public_of(topology.name(other))
+        for other in topology.graph.nodes:
+            if other != node:
+                keys.public_of(topology.name(other))
 
 
 Schema = dict[str, tuple[tuple[int, ...], torch.dtype]]
