@@ -131,6 +131,9 @@ def _child(main: Callable[[], int], name: str) -> None:
         name_process(name)
         os.environ[LAUNCHER_PID] = str(os.getppid())
         die_with_launcher()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            if signal.getsignal(sig) not in (signal.SIG_IGN, None):
+                signal.signal(sig, _interrupted)
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, 1)
         os.close(devnull)
@@ -142,6 +145,19 @@ def _child(main: Callable[[], int], name: str) -> None:
     finally:
         sys.stderr.flush()
         os._exit(code)
+
+
+def _interrupted(signum: int, frame: object) -> None:
+    """A child's first Ctrl-C or SIGTERM ends it as Ctrl-C does; the next ones (a terminal's
+    SIGINT is followed by the launcher's SIGTERM) are ignored, so that they do not break
+    the cleanup the first one started (tracebacks from sockets' destructors)."""
+    signal.signal(signal.SIGINT, _ignored)  # a handler, not SIG_IGN: one already pending
+    signal.signal(signal.SIGTERM, _ignored)  # would then raise "ignored due to race condition"
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
+def _ignored(signum: int, frame: object) -> None:
+    """A signal after the first: the child is already ending."""
 
 
 def free_port() -> int:
