@@ -84,16 +84,17 @@ def test_world_sizes_1_2_and_4_write_the_same_bytes(tmp_path, sections):
     assert "WORLD_SIZE" not in os.environ  # rank 0's process is given back as it was
 
 
-def test_workers_and_batching_compose(tmp_path):
+def test_workers_and_batching_compose_to_the_same_bytes(tmp_path):
+    """The batched groups are formed before the trainings are split over the ranks, and go
+    whole to one of them: the same bits on 1, 2 and 4 ranks (a rank that got a group's
+    only member of its share trained it one by one, so the last digits moved)."""
     exp = exp_file(tmp_path, **(RING | {"peers": {"count": 6, "batched": True}}))
     runs = {}
-    for n in (1, 2):
+    for n in (1, 2, 4):
         out = tmp_path / f"w{n}"
         assert spread(exp, out, n) == 0
         runs[n] = outputs(out)
-    assert runs[2]["comm.csv"] == runs[1]["comm.csv"]  # same clock and ledger
-    one, two = runs[1]["summary"]["final"], runs[2]["summary"]["final"]
-    assert two["accuracy"] == pytest.approx(one["accuracy"], abs=0.01)  # each rank batches
+    assert runs[2] == runs[1] and runs[4] == runs[1]
 
 
 def test_torchrun_starts_the_same_run_on_loopback(tmp_path):

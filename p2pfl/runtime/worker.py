@@ -34,6 +34,9 @@ from p2pfl.reporting.heatmap import save_heatmap, save_matrix_csv
 from p2pfl.reporting.reporters import Reporter
 from p2pfl.runtime.ranks import Ranks
 
+_Group = tuple[TrainConfig, torch.device, float | None]
+"""A batched group's key: the trainings' config, device and proximal ``mu``."""
+
 
 class Worker:
     """Carries out the local effects of any node of one run."""
@@ -142,46 +145,76 @@ class Worker:
 
     def train_many(self, jobs: list[tuple[int, Train]]) -> list[TrainResult]:
         """Run deferred trainings (see :meth:`batchable_seconds`); over several ranks, each
-        trains its share and every rank gets every result."""
+        trains its share and every rank gets every result. The batched groups are formed
+        before the split and go whole to one rank: a training's bits never depend on the
+        number of ranks."""
+        units = self._units(jobs)
         if self.ranks is None:
-            return self._train_share(jobs)
+            done = self._train_units(jobs, units)
+            return [done[i] for i in range(len(jobs))]
         self.settle()
-        owner = self.ranks.owners([self._flops(node, eff) for node, eff in jobs])
-        mine = [j for j in range(len(jobs)) if owner[j] == self.ranks.rank]
-        trained = self._train_share([jobs[j] for j in mine])
+        unit_owner = self.ranks.owners(
+            [sum(self._flops(*jobs[i]) for i in members) for _, members in units]
+        )
+        owner = [0] * len(jobs)
+        for (_, members), rank in zip(units, unit_owner, strict=True):
+            for i in members:
+                owner[i] = rank
+        mine = [u for u, rank in zip(units, unit_owner, strict=True) if rank == self.ranks.rank]
         starts = [eff.state for _, eff in jobs]
-        return self.ranks.exchange(starts, owner, dict(zip(mine, trained, strict=True)))
+        return self.ranks.exchange(starts, owner, self._train_units(jobs, mine))
 
-    def _train_share(self, jobs: list[tuple[int, Train]]) -> list[TrainResult]:
-        """Those sharing a config, a device and a proximal term's ``mu`` as one batched
-        computation (``peers.batched``), the others one by one (a group whose loss is not
-        finite somewhere too: see ``batched.NonFinite``)."""
-        groups: dict[tuple[TrainConfig, torch.device, float | None], list[int]] = {}
+    def _units(self, jobs: list[tuple[int, Train]]) -> list[tuple[_Group | None, list[int]]]:
+        """The jobs in units of work: with ``peers.batched``, those sharing a config, a
+        device and a proximal term's ``mu`` form one batched group (of two or more); every
+        other job is a unit of its own (``None``: trained one by one)."""
+        groups: dict[_Group, list[int]] = {}
+        alone: list[tuple[_Group | None, list[int]]] = []
         for i, (node, eff) in enumerate(jobs):
             if self.population.batched and self._batchable(node, eff):
                 mu = eff.regularizer.mu if isinstance(eff.regularizer, Proximal) else None
                 key = (self.train_cfg.with_overrides(eff.overrides), self.device(node), mu)
                 groups.setdefault(key, []).append(i)
-        results: list[TrainResult | None] = [None] * len(jobs)
-        for (cfg, device, _), members in groups.items():
-            if len(members) == 1:
-                continue
-            batch = []
+            else:
+                alone.append((None, [i]))
+        units: list[tuple[_Group | None, list[int]]] = [
+            (key, m) for key, m in groups.items() if len(m) > 1
+        ]
+        alone += [(None, m) for m in groups.values() if len(m) == 1]
+        return units + sorted(alone, key=lambda unit: unit[1][0])
+
+    def _train_units(
+        self, jobs: list[tuple[int, Train]], units: list[tuple[_Group | None, list[int]]]
+    ) -> dict[int, TrainResult]:
+        """Each unit's results by job index: a group as one batched computation, unless its
+        loss is not finite somewhere (``batched.NonFinite``: then one by one, as a single)."""
+        results: dict[int, TrainResult] = {}
+        for key, members in units:
+            if key is not None:
+                results |= self._train_group(jobs, key, members)
             for i in members:
-                node, eff = jobs[i]
-                proximal = eff.regularizer if isinstance(eff.regularizer, Proximal) else None
-                generator = self._train_setup(node, eff)[1]
-                batch.append(batched.Job(eff.state, node, generator, proximal))
-            try:
-                trained = batched.train_batched(
-                    self.trainer.module(device), self.pool(), batch, cfg, device
-                )
-            except batched.NonFinite:
-                continue
-            self.trainer.busy_s += sum(r.wall_s for r in trained)
-            for i, result in zip(members, trained, strict=True):
-                results[i] = result
-        return [r if r is not None else self.train(*jobs[i])[0] for i, r in enumerate(results)]
+                if i not in results:
+                    results[i] = self.train(*jobs[i])[0]
+        return results
+
+    def _train_group(
+        self, jobs: list[tuple[int, Train]], key: _Group, members: list[int]
+    ) -> dict[int, TrainResult]:
+        cfg, device, _ = key
+        batch = []
+        for i in members:
+            node, eff = jobs[i]
+            proximal = eff.regularizer if isinstance(eff.regularizer, Proximal) else None
+            generator = self._train_setup(node, eff)[1]
+            batch.append(batched.Job(eff.state, node, generator, proximal))
+        try:
+            trained = batched.train_batched(
+                self.trainer.module(device), self.pool(), batch, cfg, device
+            )
+        except batched.NonFinite:
+            return {}
+        self.trainer.busy_s += sum(r.wall_s for r in trained)
+        return dict(zip(members, trained, strict=True))
 
     def compute(self, node: int, eff: Compute) -> tuple[Any, float]:
         """Run a local statistic on the node's data; return it with its simulated duration."""
