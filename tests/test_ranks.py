@@ -109,6 +109,31 @@ def test_torchrun_starts_the_same_run_on_loopback(tmp_path):
     assert outputs(tmp_path / "two") == outputs(tmp_path / "one")
 
 
+def test_ranks_started_with_different_experiments_stop_at_once_saying_so(tmp_path):
+    """Two ranks on loopback, as torchrun or a user starts them, the second with another
+    learning rate: both end at once with one line saying so (rank 0 wrote outputs that mixed
+    in rank 1's trainings, with exit 0; with another participation both waited 10 min)."""
+    exp = exp_file(tmp_path, **RING)
+    env = os.environ | {"OMP_NUM_THREADS": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"}
+    env["MASTER_PORT"] = str(free_port())
+    ranks = []
+    for rank, sets in ((0, []), (1, ["--set", "train.lr=0.5"])):
+        cmd = [sys.executable, "-m", "p2pfl", "run", str(exp), "--quiet", *sets]
+        cmd += ["--out", str(tmp_path / f"rank{rank}")]
+        ranks.append(
+            subprocess.Popen(
+                cmd, env=env | {"RANK": str(rank)}, cwd=ROOT, stderr=subprocess.PIPE, text=True
+            )
+        )
+    for proc in ranks:
+        _, err = proc.communicate(timeout=120)
+        assert proc.returncode == 1, err
+        assert err.splitlines()[-1].endswith(
+            "rank(s) 1 run another experiment than rank 0 (config or data differ): "
+            "start every rank with the same file, --set, --seed and dataset"
+        ), err
+
+
 def test_forked_ranks_compute_on_several_threads_each(tmp_path):
     """The ranks are forked from rank 0's built run; with two threads each they neither hang
     (GNU OpenMP's pool does not survive a fork: rank 0 computes on one thread until then)

@@ -254,6 +254,8 @@ def _simulate(
     setup: Setup, out: Path, progress: bool, metrics: Reporter, ranks: Ranks | None = None
 ) -> tuple[dict[int, Finish], dict[str, float], float, dict[str, Any]]:
     """Run every node on one SimPy clock; return finals, baselines, end time and ledger."""
+    if ranks is not None:
+        ranks.agree(_fingerprint(setup.config) + setup.data.counts.tobytes())
     ledger = Ledger(out / "comm.csv", fates=setup.network is not None)
     worker = Worker(
         setup.trainer, setup.data, setup.train, setup.population, setup.topology, setup.seed,
@@ -276,6 +278,21 @@ def _simulate(
         if setup.network is not None:
             save_availability(setup.network, runtime.now, out)
     return finals, worker.baselines, runtime.now, ledger.summary()
+
+
+_PATHS = frozenset({"root", "file", "trace", "plugins", "curve_keys"})
+"""Keys that name files, which may lie elsewhere on each host of a run."""
+
+
+def _fingerprint(config: Any) -> bytes:
+    """``config`` as bytes, but the files it names: what every rank of a run must share."""
+
+    def strip(value: Any) -> Any:
+        if isinstance(value, dict):
+            return {k: strip(v) for k, v in value.items() if k not in _PATHS}
+        return [strip(v) for v in value] if isinstance(value, list) else value
+
+    return yaml.safe_dump(strip(config), sort_keys=True).encode()
 
 
 def save_availability(network: Network, end: float, out: Path) -> None:

@@ -20,6 +20,7 @@ ranks on several machines.
 
 from __future__ import annotations
 
+import hashlib
 import heapq
 import os
 from collections.abc import Callable, Iterator, Mapping
@@ -146,6 +147,23 @@ class Ranks:
         with self._together():
             dist.all_gather(gathered, values)
         return [gathered[owner[j]][j].tolist() for j in range(n)]
+
+    def agree(self, fingerprint: bytes) -> None:
+        """Check that every rank runs the same experiment (``fingerprint``: its resolved
+        config and partition), before any training is exchanged: ranks that ``torchrun``
+        or a user started with another file, ``--set`` or dataset would mix their
+        trainings into rank 0's outputs, or wait for each other until the timeout."""
+        mine = torch.frombuffer(bytearray(hashlib.sha256(fingerprint).digest()), dtype=torch.uint8)
+        everyone = [torch.empty_like(mine) for _ in range(self.world)]
+        with self._together():
+            dist.all_gather(everyone, mine)
+        differ = [r for r, theirs in enumerate(everyone) if not torch.equal(theirs, everyone[0])]
+        if differ:
+            ranks = ", ".join(map(str, differ))
+            raise RunError(
+                f"rank(s) {ranks} run another experiment than rank 0 (config or data differ): "
+                "start every rank with the same file, --set, --seed and dataset"
+            )
 
     @contextmanager
     def _together(self) -> Iterator[None]:
