@@ -436,3 +436,122 @@ def test_a_device_that_cannot_start_is_one_error_line(monkeypatch):
     monkeypatch.setattr(torch, "zeros", full)
     with pytest.raises(RunError, match=r"^cpu: CUDA error: out of memory$"):
         warm_up(setup)
+
+
+def started_peers(tmp_path: Path, nodes: str) -> tuple[subprocess.Popen, list[str], Path]:
+    """``p2pfl peer`` for ``nodes`` of a long DFedAvgM ring, into ``tmp_path/out``, in its
+    own process group, once every node's files are open; also its arguments but --peer."""
+    from p2pfl.runtime.children import free_port
+
+    algorithm = {"name": "dfedavgm", "rounds": 100_000}
+    path = write_experiment(tmp_path, topology={"kind": "ring"}, algorithm=algorithm)
+    addresses = tmp_path / "addresses.yaml"
+    addresses.write_text(yaml.safe_dump({i: f"tcp://127.0.0.1:{free_port()}" for i in range(4)}))
+    out = tmp_path / "out"
+    cmd = ["peer", str(path), "--addresses", str(addresses), "--out", str(out)]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "p2pfl", *cmd, "--peer", nodes],
+        cwd=ROOT, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )  # fmt: skip
+    deadline = time.monotonic() + 300
+    first, _, last = nodes.partition("-")
+    while not all(
+        (out / "peers" / str(n) / "comm.csv").is_file()
+        for n in range(int(first), int(last or first) + 1)
+    ):
+        assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+        assert time.monotonic() < deadline, "the peers never got going"
+        time.sleep(0.2)
+    return proc, cmd, out
+
+
+def test_a_second_command_for_a_running_node_is_refused_and_touches_nothing(tmp_path, capsys):
+    """Issue: a second ``p2pfl peer --peer 0`` truncated the live node 0's files and wrote a
+    failed ``result.json``; now one error line naming it, and its files are as they were."""
+    from p2pfl.app.cli import main
+
+    proc, argv, out = started_peers(tmp_path, "0")
+    try:
+        mine = out / "peers" / "0"
+        before = {p.name: p.read_bytes() for p in mine.iterdir()}
+        for nodes in ("0", "0-1"):
+            assert main([*argv, "--peer", nodes]) == 2
+            err = capsys.readouterr().err
+            assert err.count("\n") == 1 and "node 0 is already running in" in err, err
+            now = {p.name: p.read_bytes() for p in mine.iterdir()}  # the live node may append
+            assert now.keys() == before.keys() and all(now[k].startswith(before[k]) for k in now)
+        assert proc.poll() is None
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+
+
+def test_merge_names_a_bad_row_in_one_short_line(tmp_path, capsys):
+    """Issue: a node file with a row a node never writes (NUL bytes, after a truncation) made
+    ``p2pfl merge`` fail with the whole row in its error line; now one short line naming the
+    file, before anything is written."""
+    from p2pfl.app.cli import main
+
+    config = yaml.safe_dump(build(experiment()).config, sort_keys=False)
+    result = json.dumps({"status": "ok", "output": True, "baselines": {}})
+    for name in ("0", "1", "2", "3", "server"):
+        mine = tmp_path / "peers" / name
+        mine.mkdir(parents=True)
+        (mine / "config.yaml").write_text(config)
+        (mine / "result.json").write_text(result)
+        (mine / "metrics.csv").write_text("time,round,peer,metric,value\r\n0.5,1,0,loss,2.1\r\n")
+    comm = "time,round,src,dst,kind,bytes,arrival\r\n1,1,0,server,model,9\r\n"
+    for file, text in (
+        ("metrics.csv", "time,round,peer,metric,value\r\n" + "\0" * 100_000 + "1,1,0,loss,2\r\n"),
+        ("comm.csv", comm),
+    ):
+        (tmp_path / "peers" / "2" / file).write_text(text)
+        assert main(["merge", str(tmp_path)]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and len(err) < 200, err[:300]
+        assert f"peers/2/{file}: line 2: not a row a node writes" in err
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["peers"]
+        (tmp_path / "peers" / "2" / file).unlink()
+
+
+@pytest.mark.parametrize(
+    "table,message",
+    [
+        ({0: 1, 1: 1, 2: 2, 3: 3}, "1: the same address as node 0: tcp://127.0.0.1:27561"),
+        ({0: 99_999, 1: 1, 2: 2, 3: 3}, "0: port 99999 is not in 1..65535"),
+        ({0: 0, 1: 1, 2: 2, 3: 3}, "0: port 0 is not in 1..65535"),
+        ({0: 1, "00": 2, 1: 3, 2: 4, 3: 5}, "00: node 0 is given twice"),
+    ],
+)
+def test_addresses_that_cannot_all_be_bound_are_a_config_error(tmp_path, table, message):
+    """Issue: two nodes on one endpoint, or a port out of range (ZeroMQ took another), ran
+    and timed out; now a ``ConfigError`` before anything starts."""
+    from p2pfl.core.errors import ConfigError
+    from p2pfl.runtime.launcher import read_addresses
+
+    setup = build(experiment(topology={"kind": "ring"}, algorithm={"name": "dfedavgm"}))
+    path = tmp_path / "addresses.yaml"
+    ports = {k: p if p in (0, 99_999) else 27560 + p for k, p in table.items()}
+    path.write_text(yaml.safe_dump({k: f"tcp://127.0.0.1:{p}" for k, p in ports.items()}))
+    with pytest.raises(ConfigError, match=f"addresses.yaml: {message}"):
+        read_addresses(path, setup)
+
+
+def test_a_node_of_a_peer_command_that_dies_ends_it_at_once(tmp_path):
+    """Issue: ``p2pfl peer --peer 0-3`` waited out ``transport.timeout_s`` when a node was
+    killed, and did not name it; now it ends at once naming it, the others stopped."""
+    proc, _, out = started_peers(tmp_path, "0-3")
+    try:
+        pids = peer_pids(proc.pid)
+        assert set(pids) == {"0", "1", "2", "3"}
+        os.kill(pids["2"], signal.SIGKILL)
+        killed = time.monotonic()
+        _, err = proc.communicate(timeout=TIMEOUT)
+        assert time.monotonic() - killed < 10, err
+        assert proc.returncode == 1
+        assert err.strip().splitlines()[-1] == "error: peer 2 died (signal 9)", err
+        assert still_running(pids) == []
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()

@@ -317,7 +317,7 @@ def cmd_merge(args: argparse.Namespace) -> int:
     from p2pfl.app.config import resolve
     from p2pfl.app.experiment import build, run
     from p2pfl.core.yaml_io import read_yaml
-    from p2pfl.runtime.launcher import read_result
+    from p2pfl.runtime.launcher import node_rows, read_result
 
     out = output_dir(args.run)
     peers = out / "peers"
@@ -344,6 +344,7 @@ def cmd_merge(args: argparse.Namespace) -> int:
     for n in names:
         try:
             read_result(peers / n)
+            node_rows(peers / n, setup.network is not None)
         except RunError as e:
             raise ConfigError("RUN_DIR", str(e)) from None
     merged = sorted(p.name for p in out.iterdir() if p.name not in ("peers", LOCK))
@@ -504,12 +505,12 @@ def cmd_peer(args: argparse.Namespace) -> int:
 
 
 def _peer(args: argparse.Namespace) -> int:
-    from p2pfl.runtime.launcher import fork_nodes, node_ids, read_addresses, run_peer, wait_nodes
+    from p2pfl.runtime import launcher
     from p2pfl.runtime.sockets import TransportConfig, check_curve_keys
 
     setup = _setup(args)
-    nodes = node_ids(setup, args.peer)
-    addresses = read_addresses(Path(args.addresses), setup)
+    nodes = launcher.node_ids(setup, args.peer)
+    addresses = launcher.read_addresses(Path(args.addresses), setup)
     transport = TransportConfig(**setup.config["transport"])
     try:
         check_curve_keys(transport, setup.topology, nodes)
@@ -517,9 +518,10 @@ def _peer(args: argparse.Namespace) -> int:
         e.file = e.file or args.experiment
         raise
     out = output_dir(args.out)
-    if len(nodes) == 1:
-        return run_peer(setup, nodes[0], out, addresses)
-    return wait_nodes(fork_nodes(setup, nodes, out, addresses), setup)
+    with launcher.claimed(setup, nodes, out):
+        if len(nodes) == 1:
+            return launcher.run_peer(setup, nodes[0], out, addresses)
+        return launcher.wait_nodes(launcher.fork_nodes(setup, nodes, out, addresses), setup, out)
 
 
 def cmd_keys(args: argparse.Namespace) -> int:

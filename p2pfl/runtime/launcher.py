@@ -17,11 +17,14 @@ stopped) with a report naming it. Ctrl-C stops every peer process.
 from __future__ import annotations
 
 import csv
+import fcntl
 import json
+import os
 import re
 import sys
 import time
-from collections.abc import Set
+from collections.abc import Iterator, Set
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -88,7 +91,7 @@ def node_ids(setup: Setup, spec: str) -> list[int]:
 def read_addresses(path: Path, setup: Setup) -> dict[int, str]:
     """An addresses file: a YAML mapping from node names to ``tcp://host:port``."""
     table = read_yaml(path, "addresses file")
-    out = {}
+    out: dict[int, str] = {}
     for name, address in table.items():
         try:
             node = node_id(setup, str(name), key=str(name))
@@ -97,6 +100,15 @@ def read_addresses(path: Path, setup: Setup) -> dict[int, str]:
             raise
         if not isinstance(address, str) or not re.fullmatch(r"tcp://\S+:\d+", address):
             raise ConfigError(str(name), f"must be tcp://HOST:PORT, got {address!r}", str(path))
+        port = int(address.rpartition(":")[2])
+        twin = next((setup.topology.name(n) for n, a in out.items() if a == address), None)
+        if node in out or twin is not None or not 1 <= port <= 65535:
+            reason = (
+                f"node {setup.topology.name(node)} is given twice" if node in out
+                else f"the same address as node {twin}: {address}" if twin is not None
+                else f"port {port} is not in 1..65535"
+            )  # fmt: skip
+            raise ConfigError(str(name), reason, str(path))
         out[node] = address
     missing = [setup.topology.name(n) for n in setup.topology.graph.nodes if n not in out]
     if missing:
@@ -161,6 +173,24 @@ def run_peer(
         zn.close(abort=result["status"] == "failed")
 
 
+@contextmanager
+def claimed(setup: Setup, nodes: list[int], out: Path) -> Iterator[None]:
+    """Hold a lock on each node's ``out/peers/NAME/`` (forked nodes inherit it); a
+    ``ConfigError`` naming a node already running there, before any file is opened."""
+    with ExitStack() as stack:
+        for n in nodes:
+            mine = out / "peers" / setup.topology.name(n)
+            mine.mkdir(parents=True, exist_ok=True)
+            fd = os.open(mine, os.O_RDONLY | os.O_DIRECTORY)
+            stack.callback(os.close, fd)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                name = setup.topology.name(n)
+                raise ConfigError("--out", f"node {name} is already running in {mine}") from None
+        yield
+
+
 def fork_nodes(
     setup: Setup,
     nodes: list[int],
@@ -186,16 +216,16 @@ def fork_nodes(
         torch.set_num_threads(threads)
 
 
-def wait_nodes(procs: dict[int, Forked], setup: Setup) -> int:
-    """Wait for every forked node (``p2pfl peer`` with several); 1 if any failed, naming it
-    (a failed node has already said why). Ctrl-C or SIGTERM stops them all."""
+def wait_nodes(procs: dict[int, Forked], setup: Setup, out: Path) -> int:
+    """Wait for every forked node (``p2pfl peer`` with several); the first that fails or
+    dies ends the wait at once, named (the others are stopped), as do Ctrl-C and SIGTERM."""
     try:
-        codes = {n: p.wait() for n, p in procs.items()}
+        while any(p.poll() is None for p in procs.values()):
+            _check(procs, out, setup)
+            time.sleep(0.05)
+        _check(procs, out, setup)
     finally:
         stop(procs.values(), STOP_GRACE_S)
-    failed = [setup.topology.name(n) for n, code in codes.items() if code != 0]
-    if failed:
-        raise RunError(f"node(s) {', '.join(failed)} failed")
     return 0
 
 
@@ -267,20 +297,21 @@ def launch(setup: Setup, out: Path, reporters: Reporter) -> Outcome:
     start = time.monotonic()
     startup_s = None
     try:
-        warm_up(setup, forks=True)  # once, here: every node inherits it
-        procs = fork_nodes(setup, nodes, out, coordinator=endpoint)
-        addresses = _gather_hellos(ctl, procs, out, setup, transport)
-        startup_s = time.monotonic() - start
-        t0 = time.time()
-        for ident, _ in addresses.values():
-            ctl.send_multipart([ident, json.dumps({"addresses": {
-                str(n): ep for n, (_, ep) in addresses.items()}, "t0": t0}).encode()])  # fmt: skip
-        crashed: set[int] = set()
-        while any(p.poll() is None for p in procs.values()):
-            _crash(procs, setup, t0, crashed)
+        with claimed(setup, nodes, out):
+            warm_up(setup, forks=True)  # once, here: every node inherits it
+            procs = fork_nodes(setup, nodes, out, coordinator=endpoint)
+            addresses = _gather_hellos(ctl, procs, out, setup, transport)
+            startup_s = time.monotonic() - start
+            t0 = time.time()
+            table = {str(n): ep for n, (_, ep) in addresses.items()}
+            for ident, _ in addresses.values():
+                ctl.send_multipart([ident, json.dumps({"addresses": table, "t0": t0}).encode()])
+            crashed: set[int] = set()
+            while any(p.poll() is None for p in procs.values()):
+                _crash(procs, setup, t0, crashed)
+                _check(procs, out, setup, crashed)
+                time.sleep(0.05)
             _check(procs, out, setup, crashed)
-            time.sleep(0.05)
-        _check(procs, out, setup, crashed)
     finally:
         stop(procs.values(), STOP_GRACE_S)
         ctl.close()
@@ -352,29 +383,40 @@ def _check(
         raise RunError(f"peer {name} died ({how})")
 
 
-def _rows(path: Path) -> list[list[str]]:
+METRIC_ROW = (float, int, str, str, float)
+COMM_ROW = (float, int, str, str, str, int, float)
+
+
+def _rows(path: Path, types: tuple[type, ...]) -> list[tuple]:
+    """A node's CSV file's rows (its header skipped), typed; a ``RunError`` naming the file
+    and line of a row a node does not write."""
     if not path.is_file():
         return []
     with path.open(newline="") as f:
-        return list(csv.reader(f))[1:]
+        reader = csv.reader(f)
+        next(reader, None)
+        try:
+            return [tuple(t(v) for t, v in zip(types, row, strict=True)) for row in reader]
+        except (ValueError, csv.Error):
+            raise RunError(f"{path}: line {reader.line_num}: not a row a node writes") from None
+
+
+def node_rows(mine: Path, fates: bool) -> tuple[list[tuple], list[tuple]]:
+    """A node's metric and comm rows (in its directory ``mine``), checked as :func:`_rows`."""
+    comm = COMM_ROW + (str,) * fates
+    return _rows(mine / "metrics.csv", METRIC_ROW), _rows(mine / "comm.csv", comm)
 
 
 def _merge(out: Path, nodes: list[int], setup: Setup, reporters: Reporter) -> dict[str, Any]:
     """Replay the peers' metric rows into ``reporters`` and merge their comm files into the
     run's, ordered by time."""
-    names = [setup.topology.name(n) for n in nodes]
-    metrics = sorted(
-        (r for n in names for r in _rows(out / "peers" / n / "metrics.csv")),
-        key=lambda r: float(r[0]),
-    )
-    for t, rnd, peer, metric, value in metrics:
-        reporters.log(float(t), int(rnd), peer, metric, float(value))
-    ledger = Ledger(out / "comm.csv", setup.network is not None)
-    comm = sorted(
-        (r for n in names for r in _rows(out / "peers" / n / "comm.csv")), key=lambda r: float(r[0])
-    )
-    for t, rnd, src, dst, kind, nbytes, arrival, *fate in comm:
-        ledger.record(float(t), int(rnd), src, dst, kind, int(nbytes), float(arrival), *fate)
+    fates = setup.network is not None
+    rows = [node_rows(out / "peers" / setup.topology.name(n), fates) for n in nodes]
+    for row in sorted((r for metrics, _ in rows for r in metrics), key=lambda r: r[0]):
+        reporters.log(*row)
+    ledger = Ledger(out / "comm.csv", fates)
+    for row in sorted((r for _, comm in rows for r in comm), key=lambda r: r[0]):
+        ledger.record(*row)
     ledger.close()
     return ledger.summary()
 
