@@ -70,7 +70,18 @@ def test_owners_are_longest_first_to_the_least_loaded_rank():
     assert Ranks(0, 1).owners([3.0, 2.0]) == [0, 0]
 
 
-@pytest.mark.parametrize("sections", [RING, PROX], ids=["dfedavgm", "fedprox-best_val"])
+ELMY = {  # a regulariser that keeps figures its method logs (pool{j}_ce, _d1, _d2, ...),
+    # in peers that train at the same time (on other ranks, they were lost from metrics.csv)
+    "topology": {"kind": "mesh"},
+    "peers": {"count": 4},
+    "algorithm": {"name": "fedelmy", "variant": "parallel", "pool_size": 2, "alpha": 0.5,
+                  "beta": 0.5, "warmup_epochs": 1},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "sections", [RING, PROX, ELMY], ids=["dfedavgm", "fedprox-best_val", "fedelmy-pool"]
+)
 def test_world_sizes_1_2_and_4_write_the_same_bytes(tmp_path, sections):
     exp = exp_file(tmp_path, **sections)
     runs = {}

@@ -120,13 +120,17 @@ class Worker:
     def batchable_seconds(self, node: int, eff: Train) -> float | None:
         """The simulated duration of a training that may be deferred, to run batched with
         others (``peers.batched``, a supported model and optimizer) or on another rank
-        (:mod:`p2pfl.runtime.ranks`: any training); ``None`` if it must run on its own, now.
+        (:mod:`p2pfl.runtime.ranks`: any training but one whose regularizer is not FedProx's
+        proximal term); ``None`` if it must run on its own, now.
         Either needs ``compute: model``: a duration known before the training runs."""
         population = self.population
         if population.compute != "model" or node >= len(self.data.peers):
             return None
         if self.ranks is None and not (population.batched and self._batchable(node, eff)):
             return None
+        if self.ranks is not None and not isinstance(eff.regularizer, Proximal | None):
+            return None  # it may keep figures its method reads (FedELMY's pool terms): trained
+            # where the method runs, on every rank, not on one rank and exchanged without them
         return self._seconds(node, self._flops(node, eff), 0.0)
 
     def _batchable(self, node: int, eff: Train) -> bool:
