@@ -178,6 +178,21 @@ def test_a_cell_run_again_keeps_nothing_of_its_last_run(tmp_path, monkeypatch):
     assert "availability" not in plots.figures([out])
 
 
+def test_a_cell_whose_summary_is_not_a_mapping_runs_again(tmp_path, monkeypatch):
+    """A cell's summary.json that parses as JSON but is no summary (a list) is not a
+    finished cell: the next pass runs it again (it was an AttributeError)."""
+    monkeypatch.setattr(plots, "figures", lambda *args: {})
+    monkeypatch.setattr(plots, "sweep_chart", lambda *args: [])
+    out = tmp_path / "out"
+    grid = {"algorithm": ["fedavg"], "algorithm.rounds": [1], "seed": [0, 1]}
+    assert main(["run", write(tmp_path, grid), "--out", str(out), "--quiet"]) == 0
+    spoilt = sorted(out.glob("*/summary.json"))[0]
+    spoilt.write_text("[]")
+    assert main(["run", write(tmp_path, grid), "--out", str(out), "--quiet"]) == 0
+    assert [c["status"] for c in rows(out / "cells.csv")] == ["ok", "done"]
+    assert json.loads(spoilt.read_text())["status"] == "ok"
+
+
 def outputs(out, cell):
     """A cell's outputs, wall times left out."""
     summary = json.loads((out / cell / "summary.json").read_text())

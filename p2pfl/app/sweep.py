@@ -193,7 +193,7 @@ def finished(out: Path, config: dict[str, Any]) -> dict[str, Any] | None:
         same = (out / "config.yaml").read_text() == yaml.safe_dump(config, sort_keys=False)
     except (OSError, ValueError):
         return None
-    return summary if summary.get("status") == "ok" and same else None
+    return summary if isinstance(summary, dict) and summary.get("status") == "ok" and same else None
 
 
 def run_cell(
