@@ -123,13 +123,14 @@ def check_curve_keys(transport: TransportConfig, topology: Topology, nodes: Iter
     """Load, up front, every CURVE key that ``nodes`` will: each one's own pair and every
     other node's public key (its inbox knows every sender; a ``ConfigError`` naming the
     missing or broken file)."""
-    if transport.curve_keys is None:
+    mine = set(nodes)
+    if transport.curve_keys is None or not mine:
         return
-    for node in nodes:
+    for node in sorted(mine):
         keys = CurveKeys(transport.curve_keys, topology.name(node))
-        for other in topology.graph.nodes:
-            if other != node:
-                keys.public_of(topology.name(other))
+    others = set(topology.graph.nodes) - (mine if len(mine) == 1 else set())
+    for other in sorted(others):  # each file once: a launcher checks every node's
+        keys.public_of(topology.name(other))
 
 
 Schema = dict[str, tuple[tuple[int, ...], torch.dtype]]
