@@ -533,9 +533,8 @@ def cmd_keys(args: argparse.Namespace) -> int:
         raise ConfigError("--peers", f"must be in 1..{MAX_PEERS:,}, got {args.peers}")
     directory = output_dir(args.directory)
     names = [str(i) for i in range(args.peers)] + (["server"] if args.server else [])
-    taken = [f"{n}{ext}" for n in names for ext in (".key", ".key_secret")]
-    if any((directory / f).exists() for f in taken):
-        held = next(f for f in taken if (directory / f).exists())
+    taken = (f"{n}{ext}" for n in names for ext in (".key", ".key_secret"))
+    if held := next((f for f in taken if (directory / f).exists()), None):
         raise ConfigError(
             "DIRECTORY",
             f"{directory} already holds {held}: new keys would not match the copies other "

@@ -55,7 +55,8 @@ REASON_CHARS = 2000
 """A failed cell's reason as a forked cell reports it, at most: its row stays well inside the
 64 KiB a pipe holds, so the cell's one write never waits for the sweep to read."""
 STOP_GRACE_S = 10.0
-"""How long a stopped sweep waits for each running cell to write its outputs and end."""
+"""How long a stopped sweep waits for its running cells, all together, to write their outputs
+and end."""
 
 
 @dataclass
@@ -412,13 +413,9 @@ def _run_cells(
 
 
 def _spread(calls: list[Callable[[], object]], workers: int) -> None:
-    """Make ``calls``, here or, with ``workers`` > 1, spread over this process and
-    ``workers - 1`` forked children (a sweep's figures: matplotlib draws on one core, and
-    they took 2 of the 6 s of ``experiments/sweep-digits.yaml`` on two workers)."""
-    if workers <= 1:
-        for call in calls:
-            call()
-        return
+    """Make ``calls``, spread over this process and ``workers - 1`` forked children (a
+    sweep's figures: matplotlib draws on one core, and they took 2 of the 6 s of
+    ``experiments/sweep-digits.yaml`` on two workers)."""
     from p2pfl.runtime.children import Forked
 
     def share(w: int) -> int:

@@ -184,7 +184,7 @@ class Krum(Aggregator):
             return center
         chosen = [states[i] for i in self.select(states)]
         out = chosen[0] if len(chosen) == 1 else average_states(chosen)
-        return {k: v if v.is_floating_point() else center[k] for k, v in out.items()}
+        return {k: v if v.is_floating_point() else center[k].clone() for k, v in out.items()}
 
 
 def clip_step(
