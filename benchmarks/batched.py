@@ -9,8 +9,9 @@ orders; the table gives each one's wall time, trainings per second and the ratio
 far the results are apart.
 The last row times a whole simulated run (DFedAvgM on a ring, every peer training each
 round) with ``peers.batched`` off and on. Repeats alternate the two, so load hits both alike.
-``--device cuda`` runs both sides on the GPU (the loop then launches each peer's small
-kernels one after the other); ``--models lenet`` runs the LeNet row alone.
+``--device cuda`` runs both sides on the GPU, where both replay their SGD steps from CUDA
+graphs (the loop each peer's full-size steps, batched each group's); a second LeNet row
+turns the graphs off on both sides. ``--models lenet`` runs the LeNet rows alone.
 
     OMP_NUM_THREADS=1 python benchmarks/batched.py [--peers 100] [--repeats 3]
         [--device cpu|cuda] [--models mlp lenet run]
@@ -68,12 +69,17 @@ def loop(setup: Setup, cfg: TrainConfig, device: torch.device) -> tuple[float, l
 
 
 def together(
-    setup: Setup, pool: batched.DataPool, cfg: TrainConfig, device: torch.device, generic: bool
+    setup: Setup,
+    pool: batched.DataPool,
+    cfg: TrainConfig,
+    device: torch.device,
+    generic: bool,
+    fixed: bool | None = None,
 ) -> tuple[float, list]:
     init, module = setup.trainer.init_state(0), setup.trainer.module(device)
     jobs = [batched.Job(init, p, torch_generator(0, "bench", p)) for p in range(len(pool.peers))]
     start = time.perf_counter()
-    results = batched.train_batched(module, pool, jobs, cfg, device, generic)
+    results = batched.train_batched(module, pool, jobs, cfg, device, generic, fixed)
     return time.perf_counter() - start, [r.state for r in results]
 
 
@@ -84,14 +90,17 @@ def side_by_side(
     repeats: int,
     device: torch.device,
     generic: bool = False,
+    graphs: tuple[bool, bool] = (True, True),
 ) -> list[float]:
     """Loop and batched times (medians of alternating repeats, after a warm-up of each),
-    their ratio, trainings per second, and how far the results are apart."""
-    loop(setup, cfg, device), together(setup, pool, cfg, device, generic)
+    their ratio, trainings per second, and how far the results are apart. ``graphs``: does
+    the loop, does batched training replay its CUDA steps from graphs (the default)."""
+    setup.trainer.graphs, fixed = graphs[0], None if graphs[1] else False
+    loop(setup, cfg, device), together(setup, pool, cfg, device, generic, fixed)
     times: dict[str, list[float]] = {"loop": [], "batched": []}
     for _ in range(repeats):
         t_loop, one = loop(setup, cfg, device)
-        t_batched, other = together(setup, pool, cfg, device, generic)
+        t_batched, other = together(setup, pool, cfg, device, generic, fixed)
         times["loop"].append(t_loop)
         times["batched"].append(t_batched)
     diff = max((a[k] - b[k]).abs().max().item() for a, b in zip(one, other, strict=True) for k in a)
@@ -149,6 +158,10 @@ def main() -> None:
         pool = batched.DataPool(setup.data.peers)
         rows.append(["lenet, momentum 0.9, torch.func", args.peers,
                      *side_by_side(setup, pool, sgd, args.repeats, device)])  # fmt: skip
+        on_gpu = {"batched alone": (False, True), "neither": (False, False)}
+        for side, graphs in on_gpu.items() if device.type == "cuda" else ():
+            row = side_by_side(setup, pool, sgd, args.repeats, device, False, graphs)
+            rows.append([f"lenet, momentum 0.9, torch.func, CUDA graphs: {side}", args.peers, *row])
     if "run" in args.models:
         rows.append(run_row(config, args.peers, args.repeats, args.device))
     extra["load_after"] = os.getloadavg()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import experiment, run_experiment
+from conftest import DEVICE, experiment, run_experiment
 from p2pfl.app.experiment import build
 from p2pfl.core.seeding import torch_generator
 from p2pfl.learning import batched
@@ -287,3 +287,74 @@ def test_batched_runs_replay_bit_for_bit(tmp_path):
         for name in ("a", "b")
     )
     assert first["final"] == second["final"] and first["per_peer"] == second["per_peer"]
+
+
+FIXED_CASES = [  # (model, training): every step after the first over the whole group
+    ({"name": "mlp", "hidden": [16]}, TrainConfig(epochs=2, batch_size=16, momentum=0.9), False),
+    ({"name": "mlp", "hidden": [16]}, TrainConfig(batch_size=16, weight_decay=1e-3), True),
+    (
+        {"name": "lenet"},
+        TrainConfig(epochs=2, batch_size=16, momentum=0.9, weight_decay=1e-3),
+        True,
+    ),
+    ({"name": "lenet"}, TrainConfig(batch_size=16, optimizer="sam", momentum=0.9), True),
+    (
+        {"name": "mlp", "hidden": [16]},
+        TrainConfig(epochs=3, batch_size=16, select="best_val"),
+        True,
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("model", "cfg", "generic"),
+    FIXED_CASES,
+    ids=[f"{m['name']}-{c.optimizer}-{c.select}-{g}" for m, c, g in FIXED_CASES],
+)
+def test_fixed_steps_train_as_the_loop(monkeypatch, model, cfg, generic):
+    """Whole-group steps (the shape CUDA replays from a graph): finished peers keep
+    stepping on empty batches, and must still come out with their last step's weights."""
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)  # float32 on both sides
+    setup = build(
+        experiment(
+            peers={"count": 6},
+            model=model,
+            partition={"name": "dirichlet", "alpha": 0.5, "min_size": 8, "val_fraction": 0.2},
+            dataset={"name": "digits", "subset": 1000},
+        )
+    )
+    peers = setup.data.peers
+    assert len({p.num_train for p in peers}) > 1  # peers finish at different steps
+    init = setup.trainer.init_state(0)
+    device = torch.device(DEVICE["name"])
+    loop = [
+        setup.trainer.train(init, peers[p], cfg, torch_generator(0, "t", p), device)
+        for p in range(len(peers))
+    ]
+    pool = batched.DataPool(peers)
+    module = setup.trainer.module(device)
+    runs = []
+    for fixed in (True, True, False):
+        jobs = [batched.Job(init, p, torch_generator(0, "t", p)) for p in range(len(peers))]
+        runs.append(batched.train_batched(module, pool, jobs, cfg, device, generic, fixed))
+    for one, fixed, again, prefix in zip(loop, *runs, strict=True):
+        assert fixed.val_accuracy == one.val_accuracy
+        for key, value in one.state.items():
+            torch.testing.assert_close(fixed.state[key], value, rtol=1e-4, atol=5e-5)
+            torch.testing.assert_close(fixed.state[key], prefix.state[key], rtol=1e-5, atol=1e-6)
+            assert torch.equal(fixed.state[key], again.state[key])  # replays bit for bit
+    if device.type == "cuda":  # the fixed steps were captured and replayed
+        replayed = batched._Fixed.__call__
+        graphs = []
+
+        def spy(self, index, weight):
+            replayed(self, index, weight)
+            graphs.append(self.step.graph)
+
+        monkeypatch.setattr(batched._Fixed, "__call__", spy)
+        jobs = [batched.Job(init, p, torch_generator(0, "t", p)) for p in range(len(peers))]
+        batched.train_batched(module, pool, jobs, cfg, device, generic)
+        assert len(graphs) > 2 and all(g is not None for g in graphs[1:])
+    jobs = [batched.Job(init, 0, torch_generator(0, "t", 0))]
+    with pytest.raises(ValueError, match="fixed steps need SGD or SAM"):
+        batched.train_batched(module, pool, jobs, TrainConfig(optimizer="adam"), device, fixed=True)

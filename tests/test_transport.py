@@ -21,7 +21,7 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import BASE, ROOT, experiment, on_device, peer_pids
+from conftest import BASE, DEVICE, ROOT, experiment, on_device, peer_pids
 from p2pfl.app.experiment import build
 from p2pfl.core.errors import RunError
 from p2pfl.methods import METHODS
@@ -434,7 +434,7 @@ def test_a_device_that_cannot_start_is_one_error_line(monkeypatch):
         raise RuntimeError("CUDA error: out of memory\nCUDA kernel errors might be ...")
 
     monkeypatch.setattr(torch, "zeros", full)
-    with pytest.raises(RunError, match=r"^cpu: CUDA error: out of memory$"):
+    with pytest.raises(RunError, match=rf"^{DEVICE['name']}: CUDA error: out of memory$"):
         warm_up(setup)
 
 

@@ -24,7 +24,9 @@ with or without FedProx's proximal term (:class:`Proximal`), for any model that
 :func:`functional` accepts; ``select: last`` or ``best_val`` (each peer's epochs end at its
 own steps; its model is scored on its validation split there, as the loop does). A group
 in which some peer's regularised loss is not finite raises :class:`NonFinite` (the loop
-skips such a step; the caller trains that group one by one).
+skips such a step; the caller trains that group one by one). On CUDA, SGD and SAM steps
+without a proximal term run over the whole group and replay from a CUDA graph
+(:class:`_Fixed`).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from p2pfl.data.federated import PeerData
+from p2pfl.learning.graphs import Replayed
 from p2pfl.learning.models import Hidden
 from p2pfl.learning.state import State
 from p2pfl.learning.training import (
@@ -194,13 +197,16 @@ def train_batched(
     cfg: TrainConfig,
     device: torch.device,
     generic: bool = False,
+    fixed: bool | None = None,
 ) -> list[TrainResult]:
     """Train every job's state with ``cfg`` (see :func:`can_batch`); one result per job.
 
     ``module`` is the architecture's template (only its structure is read). The jobs all
     have a proximal term with one ``mu``, or none has. Each result's ``wall_s`` is an equal
     share of its group's wall time. ``generic`` takes the ``torch.func`` path even for a
-    plain MLP with SGD (to compare the two). Raises :class:`NonFinite` (see there).
+    plain MLP with SGD (to compare the two). ``fixed`` runs every step after the first over
+    the whole group (see :class:`_Fixed`); by default it does so where CUDA can replay
+    those steps from a captured graph (:func:`replayable`). Raises :class:`NonFinite`.
     """
     if len({None if j.proximal is None else j.proximal.mu for j in jobs}) > 1:
         raise ValueError("batched jobs must share their proximal term's mu, or have none")
@@ -211,11 +217,15 @@ def train_batched(
     layers = mlp_layers(module) if _hand_written(module, cfg, proximal) and not generic else None
     step = _MlpStep(layers) if layers is not None else _FuncStep(module, mu)
     size = MLP_GROUP if layers is not None else MAX_GROUP
+    if fixed is None:
+        fixed = device.type == "cuda" and replayable(cfg, proximal)
+    elif fixed and not replayable(cfg, proximal):
+        raise ValueError("fixed steps need SGD or SAM without a proximal term (see replayable)")
     results: list[TrainResult] = []
     for i in range(0, len(jobs), size):
         group = jobs[i : i + size]
         start = time.perf_counter()
-        trained = _train_group(step, module, pool, group, cfg, device)
+        trained = _train_group(step, module, pool, group, cfg, device, fixed)
         share = (time.perf_counter() - start) / len(group)
         for job, (state, acc) in zip(group, trained, strict=True):
             results.append(TrainResult(state, acc, *work(cfg, pool.peers[job.peer]), share))
@@ -250,6 +260,13 @@ def batch_plan(
     return index.clamp(min=0), real / count.clamp(min=1), active
 
 
+def replayable(cfg: TrainConfig, proximal: Proximal | None) -> bool:
+    """Whether a step after the first is the same computation every time, so that CUDA can
+    replay it from one captured graph: SGD or SAM (Adam's bias corrections change with the
+    step count) without a proximal term (whose finiteness check reads the loss back)."""
+    return cfg.optimizer in ("sgd", "sam") and proximal is None
+
+
 def _train_group(
     step: Step,
     module: nn.Module,
@@ -257,9 +274,11 @@ def _train_group(
     jobs: list[Job],
     cfg: TrainConfig,
     device: torch.device,
+    fixed: bool = False,
 ) -> list[tuple[State, float]]:
     """One batched run over a group of peers; returns their trained CPU states and their
-    best validation accuracies (``select: best_val``; -1 where none was scored)."""
+    best validation accuracies (``select: best_val``; -1 where none was scored). With
+    ``fixed``, steps after the first run through :class:`_Fixed`."""
     order = sorted(range(len(jobs)), key=lambda i: -pool.peers[jobs[i].peer].num_train)
     ranked = [jobs[i] for i in order]
     index, weight, active = batch_plan(pool, ranked, cfg.batch_size, cfg.epochs)
@@ -276,24 +295,73 @@ def _train_group(
     slots = step.slots(cfg)
     moments = {s: {k: torch.zeros_like(v) for k, v in stacked.items()} for s in slots}
     best = _BestEpoch(module, pool, ranked, cfg, device)
+    whole = _Fixed(step, stacked, moments, (x_all, y_all), shape, cfg) if fixed else None
+    final = {k: v.clone() for k, v in stacked.items()} if whole is not None else stacked
     with torch.no_grad():
         for t, k in enumerate(active):
-            rows = index[t, :k].reshape(-1)  # index_select: 3-4x faster than x_all[rows]
             params = {name: v[:k] for name, v in stacked.items()}
-            opt = {s: {name: v[:k] for name, v in m.items()} for s, m in moments.items()}
-            x = x_all.index_select(0, rows).view(k, -1, *shape)
-            y = y_all.index_select(0, rows).view(k, -1)
-            near = None if anchor is None else {name: v[:k] for name, v in anchor.items()}
-            step(params, opt, x, y, weight[t, :k], cfg, t, near)
+            if whole is not None and t:
+                whole(index[t], weight[t])
+            else:
+                rows = index[t, :k].reshape(-1)  # index_select: 3-4x faster than x_all[rows]
+                opt = {s: {name: v[:k] for name, v in m.items()} for s, m in moments.items()}
+                x = x_all.index_select(0, rows).view(k, -1, *shape)
+                y = y_all.index_select(0, rows).view(k, -1)
+                near = None if anchor is None else {name: v[:k] for name, v in anchor.items()}
+                step(params, opt, x, y, weight[t, :k], cfg, t, near)
+            if whole is not None:  # the peers whose last step this was: keep their weights
+                done = active[t + 1] if t + 1 < len(active) else 0
+                for name, v in final.items():
+                    v[done:k] = stacked[name][done:k]
             best.after(t, params)
+    host = {k: v.to("cpu") for k, v in final.items()}  # one copy per tensor, not per peer
     trained = [
-        (best.states[i] or {k: v[i].to("cpu", copy=True) for k, v in stacked.items()}, best.acc[i])
+        (best.states[i] or {k: v[i].clone() for k, v in host.items()}, best.acc[i])
         for i in range(len(jobs))
     ]
     out: list[tuple[State, float]] = [({}, -1.0)] * len(jobs)
     for i, result in zip(order, trained, strict=True):
         out[i] = result
     return out
+
+
+class _Fixed:
+    """A group's steps after the first, each over the whole group at one shape.
+
+    Peers that have finished still step, on batches of weight zero (their gradients are
+    zero, but momentum and weight decay move them), so their weights are taken at their
+    last step (:func:`_train_group`). In exchange every step is the same computation on the
+    same tensors, only the batch rows and weights changing, which CUDA replays from one
+    captured graph (:class:`~p2pfl.learning.graphs.Replayed`): one launch instead of a few
+    hundred kernels a step. Results equal the prefix steps' to float rounding (the kernels
+    see more peers) and replay bit for bit.
+    """
+
+    def __init__(
+        self,
+        step: Step,
+        params: Tensors,
+        state: dict[str, Tensors],
+        data: tuple[torch.Tensor, torch.Tensor],
+        shape: torch.Size,
+        cfg: TrainConfig,
+    ) -> None:
+        peers, device = len(next(iter(params.values()))), data[0].device
+        rows = self.rows = torch.zeros(peers * cfg.batch_size, dtype=torch.long, device=device)
+        weight = self.weight = torch.zeros(peers, cfg.batch_size, device=device)
+
+        def run() -> None:  # its inputs are the tensors above; no reference to self (a cycle)
+            x = data[0].index_select(0, rows).view(peers, -1, *shape)
+            y = data[1].index_select(0, rows).view(peers, -1)
+            step(params, state, x, y, weight, cfg, 1)
+
+        self.step = Replayed(run, device)
+
+    def __call__(self, index: torch.Tensor, weight: torch.Tensor) -> None:
+        """One step: ``index`` ``[peers, batch]`` rows of the pool, ``weight`` their weights."""
+        self.rows.copy_(index.view(-1))
+        self.weight.copy_(weight)
+        self.step()
 
 
 class _BestEpoch:

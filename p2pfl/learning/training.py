@@ -18,6 +18,7 @@ from torch import nn
 from p2pfl.core.errors import ConfigError
 from p2pfl.core.options import bind
 from p2pfl.data.federated import PeerData
+from p2pfl.learning.graphs import Replayed
 from p2pfl.learning.models import InputShape, forward_flops, model_builder
 from p2pfl.learning.state import State, clone_state
 
@@ -129,6 +130,8 @@ class Trainer:
         self._modules: dict[torch.device, nn.Module] = {torch.device("cpu"): self._build()}
         self.forward_flops = forward_flops(self._modules[torch.device("cpu")], input_shape)
         self.busy_s = 0.0  # wall time spent inside train/evaluate (the overhead floor)
+        self.graphs = True  # on CUDA, replay full-size SGD steps (off: to compare)
+        self._full: dict[tuple, _FullBatch] = {}
         self._init: dict[int, State] = {}
 
     def init_state(self, seed: int) -> State:
@@ -172,8 +175,9 @@ class Trainer:
         model = self.module(device)
         model.load_state_dict(state)
         params = [p for p in model.parameters() if p.requires_grad]
-        opt = optimizer(params, cfg)
         x_all, y_all = data.train_x.to(device), data.train_y.to(device)
+        full = self._replayed(model, params, x_all.shape[1:], cfg, regularizer, device)
+        opt = optimizer(params, cfg) if full is None else full.start()
         n = len(y_all)
         best_acc, best_state, skipped = -1.0, None, 0
         for _ in range(cfg.epochs):
@@ -181,18 +185,12 @@ class Trainer:
             order = torch.randperm(n, generator=generator).to(device)
             for i in range(0, n, cfg.batch_size):
                 idx = order[i : i + cfg.batch_size]
+                if full is not None and len(idx) == cfg.batch_size:
+                    full(x_all, y_all, idx)
+                    continue
                 # index_select: the rows of x_all[idx] in a third of its time
                 x, y = x_all.index_select(0, idx), y_all.index_select(0, idx)
-                loss = _loss(model, x, y, regularizer)
-                if regularizer is not None and not torch.isfinite(loss):
-                    skipped += 1
-                    continue
-                for p in params:
-                    p.grad = None
-                loss.backward()
-                if cfg.optimizer == "sam":
-                    _sam_gradient(model, params, x, y, regularizer, cfg.rho)
-                opt.step()
+                skipped += not _step(model, params, opt, x, y, cfg, regularizer)
             if cfg.select == "best_val" and len(data.val_y):
                 acc, _ = self._score(model, data.val_x, data.val_y, device)
                 if acc > best_acc:
@@ -202,6 +200,27 @@ class Trainer:
         wall = time.perf_counter() - start
         self.busy_s += wall
         return TrainResult(best_state, best_acc, *work(cfg, data), wall, skipped)
+
+    def _replayed(
+        self,
+        model: nn.Module,
+        params: list[nn.Parameter],
+        shape: torch.Size,
+        cfg: TrainConfig,
+        regularizer: Regularizer | None,
+        device: torch.device,
+    ) -> _FullBatch | None:
+        """On CUDA, the full-size steps of plain SGD (Adam keeps its step count on the
+        CPU; SAM and the regularisers' finiteness checks read back), one :class:`_FullBatch`
+        for every training with the same batch size, optimizer settings and sample shape."""
+        if device.type != "cuda" or regularizer is not None or cfg.optimizer != "sgd":
+            return None
+        if not self.graphs:
+            return None
+        key = (device, shape, cfg.batch_size, cfg.lr, cfg.momentum, cfg.weight_decay)
+        if key not in self._full:
+            self._full[key] = _FullBatch(model, params, shape, cfg, device)
+        return self._full[key]
 
     def evaluate(
         self, state: State, x: torch.Tensor, y: torch.Tensor, device: torch.device
@@ -302,6 +321,11 @@ def optimizer(
     elsewhere ``torch.optim``, whose multi-tensor kernels a GPU needs."""
     if all(p.device.type == "cpu" for p in params):
         return _CpuOptimizer(params, cfg)
+    return torch_optimizer(params, cfg)
+
+
+def torch_optimizer(params: Sequence[torch.Tensor], cfg: TrainConfig) -> torch.optim.Optimizer:
+    """``torch.optim``'s optimizer for ``cfg`` (SAM's base is SGD)."""
     if cfg.optimizer == "adam":
         return torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
@@ -316,6 +340,68 @@ def work(cfg: TrainConfig, data: PeerData) -> tuple[int, int]:
     passes = 2 if cfg.optimizer == "sam" else 1
     scored = len(data.val_y) * cfg.epochs if cfg.select == "best_val" else 0
     return passes * data.num_train * cfg.epochs, scored
+
+
+class _FullBatch:
+    """Full-size SGD steps of the template module as one :class:`Replayed` step, kept
+    for every training with the same settings: the weights, the optimizer's momentum
+    buffers and the batch are the same tensors in each, so the step is captured once
+    per run, not once per training (a capture cost about three eager steps)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        params: list[nn.Parameter],
+        shape: torch.Size,
+        cfg: TrainConfig,
+        device: torch.device,
+    ) -> None:
+        self.opt = opt = torch_optimizer(params, cfg)
+        x = self.x = torch.zeros(cfg.batch_size, *shape, device=device)
+        y = self.y = torch.zeros(cfg.batch_size, dtype=torch.long, device=device)
+
+        def run() -> None:  # holds no reference to self: no cycle keeps a graph alive
+            _step(model, params, opt, x, y, cfg)
+
+        self.step = Replayed(run, device)
+
+    def start(self) -> torch.optim.Optimizer:
+        """A training begins; its optimizer. A fresh optimizer's first step sets each
+        momentum buffer to the gradient; the kept buffers are zeroed, so that the step
+        they take, m·0 + g, sets them to it too."""
+        bufs = [s["momentum_buffer"] for s in self.opt.state.values()]
+        if bufs:
+            torch._foreach_zero_(bufs)
+        return self.opt
+
+    def __call__(self, x_all: torch.Tensor, y_all: torch.Tensor, idx: torch.Tensor) -> None:
+        """One step on the rows ``idx`` of ``(x_all, y_all)``."""
+        torch.index_select(x_all, 0, idx, out=self.x)
+        torch.index_select(y_all, 0, idx, out=self.y)
+        self.step()
+
+
+def _step(
+    model: nn.Module,
+    params: list[nn.Parameter],
+    opt: _CpuOptimizer | torch.optim.Optimizer,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    cfg: TrainConfig,
+    regularizer: Regularizer | None = None,
+) -> bool:
+    """One optimizer step on the batch ``(x, y)``; False if it was skipped because the
+    regularised loss was not finite (checked only with a regulariser)."""
+    loss = _loss(model, x, y, regularizer)
+    if regularizer is not None and not torch.isfinite(loss):
+        return False
+    for p in params:
+        p.grad = None
+    loss.backward()
+    if cfg.optimizer == "sam":
+        _sam_gradient(model, params, x, y, regularizer, cfg.rho)
+    opt.step()
+    return True
 
 
 def _loss(
