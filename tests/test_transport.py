@@ -204,7 +204,11 @@ def test_a_peer_whose_neighbour_never_comes_up_times_out(tmp_path):
 
 
 def live_node(
-    keys: str | None = None, node: int = 1, to: dict[int, str] | None = None, schema=None
+    keys: str | None = None,
+    node: int = 1,
+    to: dict[int, str] | None = None,
+    schema=None,
+    timeout_s: float = 5.0,
 ) -> ZmqNode:
     """A real node of a 3-peer mesh, bound on loopback, with no worker (it only receives).
 
@@ -212,7 +216,7 @@ def live_node(
     ``schema``: the model tensors it checks received messages against.
     """
     topo = build_topology({"kind": "mesh"}, 3, 0)
-    transport = TransportConfig(timeout_s=5.0, max_message_bytes=1 << 20, curve_keys=keys)
+    transport = TransportConfig(timeout_s=timeout_s, max_message_bytes=1 << 20, curve_keys=keys)
     zn = ZmqNode(node, topo, None, Ledger(), transport, schema=schema)  # type: ignore[arg-type]
     zn.endpoint = zn.bind("tcp://127.0.0.1:*")
     zn.connect({j: "tcp://127.0.0.1:1" for j in range(3)} | (to or {}))
@@ -332,6 +336,36 @@ def test_curve_keeps_out_a_process_without_the_key(tmp_path):
         sock.close()
     friend.close()
     node.close()
+
+
+@pytest.mark.parametrize(
+    ("remade", "cause"),
+    [("0", "from a key not in"), ("1.key", "encrypted for another public key of 1")],
+)
+def test_a_wait_that_times_out_names_refused_curve_handshakes(tmp_path, remade, cause):
+    """Another host's copy of the keys in which node 0's pair was made again (node 1 does
+    not know its new key), or which holds another public key for node 1: node 0 cannot
+    reach node 1, and node 1's timeout says why instead of blaming a dead peer."""
+    keys, other, fresh = tmp_path / "keys", tmp_path / "other", tmp_path / "fresh"
+    assert p2pfl("keys", str(keys), "--peers", "3").returncode == 0
+    shutil.copytree(keys, other)
+    fresh.mkdir()
+    public, secret = zmq.auth.create_certificates(fresh, remade.removesuffix(".key"))
+    shutil.copy(public, other)
+    if remade == "0":
+        shutil.copy(secret, other)
+    node = live_node(str(keys), timeout_s=1.5)
+    sender = live_node(str(other), node=0, to={1: node.endpoint})
+    try:
+        with pytest.raises(RunError, match=rf"\(its inbox refused CURVE handshakes: \d+ {cause}"):
+            node._recv(Recv(round=6))
+        quiet = live_node(str(keys), node=2, timeout_s=0.5)  # nobody tried: the old reason
+        with pytest.raises(RunError, match=r"\(a peer died or never came up\?\)$"):
+            quiet._recv(Recv(round=6))
+        quiet.close()
+    finally:
+        sender.close(abort=True)
+        node.close()
 
 
 def test_every_shipped_experiment_has_a_transport_section_default():

@@ -34,6 +34,7 @@ import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils import z85
+from zmq.utils.monitor import recv_monitor_message
 
 from p2pfl.core.errors import ConfigError, RunError
 from p2pfl.methods.effects import (
@@ -180,6 +181,8 @@ class ZmqNode:
         self.rejected = 0
         self.schema = schema or {}
         self.senders: dict[str, int] = {}  # CURVE user id (z85 public key) -> node
+        self.handshakes: zmq.Socket | None = None  # the inbox's failed CURVE handshakes
+        self.refused = {"key": 0, "crypto": 0}  # ... counted by cause (refusals())
         self.finish: Finish | None = None
 
     def bind(self, endpoint: str) -> str:
@@ -195,6 +198,8 @@ class ZmqNode:
             self.inbox_socket.curve_server = True
             self.inbox_socket.curve_publickey = self.keys.public
             self.inbox_socket.curve_secretkey = self.keys.secret
+            failed = zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+            self.handshakes = self.inbox_socket.get_monitor_socket(failed)
         self.inbox_socket.bind(endpoint)
         return self.inbox_socket.getsockopt_string(zmq.LAST_ENDPOINT)
 
@@ -285,6 +290,9 @@ class ZmqNode:
                 sock.setsockopt(zmq.LINGER, linger)
         for sock in self.outboxes.values():
             sock.close()  # waits up to LINGER for queued frames
+        if self.handshakes is not None:
+            self.inbox_socket.disable_monitor()
+            self.handshakes.close(linger=0)
         self.inbox_socket.close()
         if self.auth:
             self.auth.stop()
@@ -352,11 +360,30 @@ class ZmqNode:
             if remaining <= 0:
                 raise RunError(
                     f"{self.name} waited {self.transport.timeout_s:g} s for "
-                    f"{describe(recv, self.topology.name)} (a peer died or never came up?)"
+                    f"{describe(recv, self.topology.name)} ({self.refusals()})"
                 )
             if self.inbox_socket.poll(max(1, int(remaining * 1000))):
                 self.receive()
         return got
+
+    def refusals(self) -> str:
+        """Why a wait may have timed out: the CURVE handshakes this node's inbox refused
+        (a stranger's count too, but a peer whose keys differ on its host is the usual
+        cause), or else a peer that died or never came up."""
+        while self.handshakes is not None and self.handshakes.poll(0):
+            event = recv_monitor_message(self.handshakes)["event"]
+            self.refused["key" if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH else "crypto"] += 1
+        key, crypto = self.refused["key"], self.refused["crypto"]
+        if not key + crypto:
+            return "a peer died or never came up?"
+        causes = [
+            f"{key} from a key not in {self.transport.curve_keys}" if key else "",
+            f"{crypto} encrypted for another public key of {self.name}" if crypto else "",
+        ]
+        return (
+            f"its inbox refused CURVE handshakes: {', '.join(c for c in causes if c)}; "
+            "do all hosts hold the same keys?"
+        )
 
     def _drain_until_taken(self, recv: Recv) -> None:
         """Take in frames until ``recv`` is satisfied or its deadline has passed (an endless
