@@ -33,7 +33,7 @@ class Replayed:
     """
 
     def __init__(self, run: Callable[[], None], device: torch.device) -> None:
-        self.run, self.cuda = run, device.type == "cuda"
+        self.run, self.device, self.cuda = run, device, device.type == "cuda"
         self.graph: torch.cuda.CUDAGraph | None = None
         self.warm = False
 
@@ -44,10 +44,10 @@ class Replayed:
         if self.graph is not None:
             self.graph.replay()
             return
-        main = torch.cuda.current_stream()
+        main = torch.cuda.current_stream(self.device)  # cuda:N's, whichever is current
         side = _SIDE.setdefault(main.device_index, torch.cuda.Stream(main.device))
         side.wait_stream(main)
-        with torch.cuda.stream(side):
+        with torch.cuda.stream(side):  # (which makes the stream's device current)
             if self.warm:
                 self.graph = self._capture()
             else:
