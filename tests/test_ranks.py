@@ -80,6 +80,28 @@ ELMY = {  # a regulariser that keeps figures its method logs (pool{j}_ce, _d1, _
 
 
 @pytest.mark.parametrize(
+    ("devices", "env", "picked"),
+    [
+        ({"cpu"}, {}, []),  # CUDA untouched
+        ({"cuda:1"}, {}, []),  # a peer on cuda:N stays there
+        ({"cuda"}, {}, [1]),  # --workers: the rank (5) mod the GPUs (4)
+        ({"cpu", "cuda"}, {"LOCAL_RANK": "2"}, [2]),  # torchrun: the local rank
+    ],
+)
+def test_each_rank_takes_its_own_gpu(monkeypatch, devices, env, picked):
+    """The rule alone (one GPU here at most): a rank's ``cuda`` is GPU (local rank) mod
+    (GPUs), and a rank whose peers do not train on plain ``cuda`` leaves CUDA alone."""
+    taken: list[int] = []
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setattr(torch.cuda, "set_device", taken.append)
+    Ranks(5, 8).take_gpu({torch.device(d) for d in devices}, env)
+    assert taken == picked
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    Ranks(5, 8).take_gpu({torch.device("cuda")}, env)  # one GPU: nothing to choose
+    assert taken == picked
+
+
+@pytest.mark.parametrize(
     "sections", [RING, PROX, ELMY], ids=["dfedavgm", "fedprox-best_val", "fedelmy-pool"]
 )
 def test_world_sizes_1_2_and_4_write_the_same_bytes(tmp_path, sections):

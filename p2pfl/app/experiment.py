@@ -256,6 +256,7 @@ def _simulate(
     """Run every node on one SimPy clock; return finals, baselines, end time and ledger."""
     if ranks is not None:
         ranks.agree(_fingerprint(setup.config) + setup.data.counts.tobytes())
+        ranks.take_gpu(setup.devices)
     ledger = Ledger(out / "comm.csv", fates=setup.network is not None)
     worker = Worker(
         setup.trainer, setup.data, setup.train, setup.population, setup.topology, setup.seed,

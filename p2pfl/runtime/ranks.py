@@ -15,7 +15,9 @@ shapes and dtypes), between processes of one run: nothing is pickled.
 
 ``p2pfl run EXP --workers N`` starts N local ranks itself (gloo on loopback); ``torchrun``
 sets the same environment (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``) for
-ranks on several machines.
+ranks on several machines. On a host with several GPUs each rank takes its own
+(:meth:`Ranks.take_gpu`); the states still travel through gloo, from the CPU, where every
+peer's state lives between its turns.
 """
 
 from __future__ import annotations
@@ -174,6 +176,14 @@ class Ranks:
         except RuntimeError as e:  # gloo's errors are RuntimeErrors
             why = self.death(1.0) if self.death is not None else None
             raise RunError(why or f"rank {self.rank} lost the others ({_reason(e)})") from None
+
+    def take_gpu(self, devices: set[torch.device], env: Mapping[str, str] = os.environ) -> None:
+        """One rank per GPU: where the peers train on plain ``cuda`` and this host has
+        several GPUs, this rank's ``cuda`` becomes GPU (local rank) mod (GPUs), the local
+        rank being torchrun's ``LOCAL_RANK`` or else the rank (``--workers``: one host). A
+        peer on ``cuda:N`` stays there. Call before anything is put on CUDA."""
+        if torch.device("cuda") in devices and (count := torch.cuda.device_count()) > 1:
+            torch.cuda.set_device(int(env.get("LOCAL_RANK", self.rank)) % count)
 
     def close(self) -> None:
         if dist.is_initialized():
