@@ -10,8 +10,8 @@ far the results are apart.
 The last row times a whole simulated run (DFedAvgM on a ring, every peer training each
 round) with ``peers.batched`` off and on. Repeats alternate the two, so load hits both alike.
 ``--device cuda`` runs both sides on the GPU, where both replay their SGD steps from CUDA
-graphs (the loop each peer's full-size steps, batched each group's); a second LeNet row
-turns the graphs off on both sides. ``--models lenet`` runs the LeNet rows alone.
+graphs (the loop each peer's full-size steps, batched each group's); two more LeNet rows
+turn them off in the loop alone, and on both sides. ``--models lenet`` runs the LeNet rows alone.
 
     OMP_NUM_THREADS=1 python benchmarks/batched.py [--peers 100] [--repeats 3]
         [--device cpu|cuda] [--models mlp lenet run]
@@ -103,6 +103,7 @@ def side_by_side(
         t_batched, other = together(setup, pool, cfg, device, generic, fixed)
         times["loop"].append(t_loop)
         times["batched"].append(t_batched)
+    setup.trainer.graphs = True
     diff = max((a[k] - b[k]).abs().max().item() for a, b in zip(one, other, strict=True) for k in a)
     x, y = setup.data.test_x, setup.data.test_y
     acc_loop = setup.trainer.evaluate(average_states(one), x, y, CPU)[0]

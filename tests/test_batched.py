@@ -358,3 +358,35 @@ def test_fixed_steps_train_as_the_loop(monkeypatch, model, cfg, generic):
     jobs = [batched.Job(init, 0, torch_generator(0, "t", 0))]
     with pytest.raises(ValueError, match="fixed steps need SGD or SAM"):
         batched.train_batched(module, pool, jobs, TrainConfig(optimizer="adam"), device, fixed=True)
+
+
+@pytest.mark.parametrize("fixed", [True, False])
+def test_a_peer_without_training_samples_is_scored_as_the_loop_scores_it(fixed):
+    """``best_val``: a peer with no training sample takes no step, and the loop still
+    scores its start model; so does a batched group (it used to report -1)."""
+    setup = build(
+        experiment(
+            peers={"count": 4},
+            partition={"name": "iid", "val_fraction": 0.2},
+            dataset={"name": "digits", "subset": 600},
+        )
+    )
+    peers = setup.data.peers
+    for i, n in {3: 0, 2: 5}.items():  # no sample; fewer than a batch
+        peers[i].train_x, peers[i].train_y = peers[i].train_x[:n], peers[i].train_y[:n]
+    cfg = TrainConfig(epochs=2, batch_size=16, momentum=0.9, select="best_val")
+    init, device = setup.trainer.init_state(0), torch.device(DEVICE["name"])
+    loop = [
+        setup.trainer.train(init, peers[p], cfg, torch_generator(0, "t", p), device)
+        for p in range(4)
+    ]
+    jobs = [batched.Job(init, p, torch_generator(0, "t", p)) for p in range(4)]
+    together = batched.train_batched(
+        setup.trainer.module(device), batched.DataPool(peers), jobs, cfg, device, True, fixed
+    )
+    assert loop[3].val_accuracy >= 0  # scored (-1: never scored)
+    for one, other in zip(loop, together, strict=True):
+        assert other.val_accuracy == one.val_accuracy
+        for key, value in one.state.items():
+            torch.testing.assert_close(other.state[key], value, rtol=1e-4, atol=5e-5)
+    assert all(torch.equal(together[3].state[k], init[k]) for k in init)

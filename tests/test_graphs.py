@@ -57,7 +57,9 @@ def test_replayed_training_steps_are_the_eager_steps(monkeypatch, model, cfg):
         def full_batch(self, model, params, shape, cfg, regularizer, device):
             if not self.graphs:
                 return None
-            return kept.setdefault(cfg, training._FullBatch(model, params, shape, cfg, device))
+            if cfg not in kept:
+                kept[cfg] = training._FullBatch(model, params, shape, cfg, device)
+            return kept[cfg]
 
         monkeypatch.setattr(Trainer, "_replayed", full_batch)
     with_graphs = train()

@@ -298,6 +298,7 @@ def _train_group(
     whole = _Fixed(step, stacked, moments, (x_all, y_all), shape, cfg) if fixed else None
     final = {k: v.clone() for k, v in stacked.items()} if whole is not None else stacked
     with torch.no_grad():
+        best.before(stacked)
         for t, k in enumerate(active):
             params = {name: v[:k] for name, v in stacked.items()}
             if whole is not None and t:
@@ -388,21 +389,29 @@ class _BestEpoch:
         """One peer's model as a function of its input: its weights in the template."""
         return lambda x: torch.func.functional_call(self.module, params, (x,))
 
+    def before(self, params: Tensors) -> None:
+        """The group's start: a peer without training samples takes no step, but the loop
+        still scores its model at each epoch's end (its start model every time, so the
+        first score stands)."""
+        for i, steps in enumerate(self.steps):
+            if self.on and not steps:
+                self._keep(i, params)
+
     def after(self, t: int, params: Tensors) -> None:
         """Step ``t`` is done for the leading peers that ``params`` holds."""
-        if not self.on:
+        for i in range(len(next(iter(params.values())))) if self.on else ():
+            if not (t + 1) % self.steps[i]:
+                self._keep(i, params)
+
+    def _keep(self, i: int, params: Tensors) -> None:
+        """Score peer ``i``'s model in ``params``; keep it if strictly better."""
+        x, y = self.val[i]
+        if not len(y):
             return
-        for i in range(len(next(iter(params.values())))):
-            x, y = self.val[i]
-            if (t + 1) % self.steps[i] or not len(y):
-                continue
-            mine = {k: v[i] for k, v in params.items()}
-            acc, _ = score(self._forward(mine), x, y, self.device)
-            if acc > self.acc[i]:
-                self.acc[i], self.states[i] = (
-                    acc,
-                    {k: v.to("cpu", copy=True) for k, v in mine.items()},
-                )
+        mine = {k: v[i] for k, v in params.items()}
+        acc, _ = score(self._forward(mine), x, y, self.device)
+        if acc > self.acc[i]:
+            self.acc[i], self.states[i] = acc, {k: v.to("cpu", copy=True) for k, v in mine.items()}
 
 
 Tensors = dict[str, torch.Tensor]

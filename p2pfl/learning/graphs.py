@@ -29,47 +29,54 @@ class Replayed:
     On CUDA the first call runs the step on the side stream (the warm-up a capture needs:
     cuBLAS and cuDNN set up their workspaces, an optimizer its buffers), the second
     captures it there and replays it, and later calls replay it. Every call is one real
-    step. A step that cannot be captured runs as it is from then on, with a warning.
+    step. A step that cannot be captured runs as it is from then on, with a warning. The
+    graph keeps what was in force at its capture (cuDNN's flags, TF32 among them).
     """
 
     def __init__(self, run: Callable[[], None], device: torch.device) -> None:
-        self.run, self.device, self.cuda = run, device, device.type == "cuda"
+        self.run, self.device = run, device
+        self.eager = device.type != "cuda"  # on a CPU, or once a capture has failed
         self.graph: torch.cuda.CUDAGraph | None = None
         self.warm = False
 
     def __call__(self) -> None:
-        if not self.cuda:
+        if self.eager:
             self.run()
             return
         if self.graph is not None:
             self.graph.replay()
             return
         main = torch.cuda.current_stream(self.device)  # cuda:N's, whichever is current
-        side = _SIDE.setdefault(main.device_index, torch.cuda.Stream(main.device))
+        if main.device_index not in _SIDE:
+            _SIDE[main.device_index] = torch.cuda.Stream(main.device)
+        side = _SIDE[main.device_index]
         side.wait_stream(main)
-        with torch.cuda.stream(side):  # (which makes the stream's device current)
-            if self.warm:
-                self.graph = self._capture()
-            else:
-                self.run()
-                self.warm = True
-        main.wait_stream(side)
+        try:
+            with torch.cuda.stream(side):  # (which makes the stream's device current)
+                if self.warm:
+                    self.graph = self._capture()
+                else:
+                    self.run()
+                    self.warm = True
+        finally:  # the main stream goes on after the side stream's work, even a failed one
+            main.wait_stream(side)
         if self.graph is not None:  # capturing recorded the step without running it
             self.graph.replay()
-        elif not self.cuda:  # the capture failed: nothing ran, so run it as it is
+        elif self.eager:  # the capture failed: nothing ran, so run it as it is
             self.run()
 
     def _capture(self) -> torch.cuda.CUDAGraph | None:
-        """The step captured as a graph (torch.cuda.graph's steps, less its emptying of
-        the allocator's cache); None, and no more tries, if CUDA refuses to capture it.
+        """The step captured as a graph (torch.cuda.graph's steps, less its synchronizing
+        and its emptying of the allocator's cache); None, and no more tries, if CUDA
+        refuses to capture it.
 
         Python's cyclic garbage collector is held off meanwhile: a collection could free
         another graph and its memory, which CUDA forbids during a capture (the capture
         then fails)."""
         graph = torch.cuda.CUDAGraph()
         collecting = gc.isenabled()
-        gc.disable()
         try:
+            gc.disable()
             graph.capture_begin()
             try:
                 self.run()
@@ -78,8 +85,8 @@ class Replayed:
                     graph.capture_end()  # leave the stream capturing no more
                 if not isinstance(e, RuntimeError):  # an interruption: not the capture's
                     raise
-                warnings.warn(f"a training step is not captured as a CUDA graph: {e}", stacklevel=3)
-                self.cuda = False
+                warnings.warn(f"a training step is not captured as a CUDA graph: {e}", stacklevel=2)
+                self.eager = True
                 return None
             graph.capture_end()
         finally:

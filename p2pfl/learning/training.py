@@ -130,7 +130,7 @@ class Trainer:
         self._modules: dict[torch.device, nn.Module] = {torch.device("cpu"): self._build()}
         self.forward_flops = forward_flops(self._modules[torch.device("cpu")], input_shape)
         self.busy_s = 0.0  # wall time spent inside train/evaluate (the overhead floor)
-        self.graphs = True  # on CUDA, replay full-size SGD steps (off: to compare)
+        self.graphs = True  # on CUDA, the loop replays its full-size SGD steps (off: to compare)
         self._full: dict[tuple, _FullBatch] = {}
         self._init: dict[int, State] = {}
 
@@ -210,9 +210,10 @@ class Trainer:
         regularizer: Regularizer | None,
         device: torch.device,
     ) -> _FullBatch | None:
-        """On CUDA, the full-size steps of plain SGD (Adam keeps its step count on the
-        CPU; SAM and the regularisers' finiteness checks read back), one :class:`_FullBatch`
-        for every training with the same batch size, optimizer settings and sample shape."""
+        """On CUDA, the full-size steps of plain SGD, one :class:`_FullBatch` for every
+        training with the same batch size, optimizer settings and sample shape. Adam keeps
+        its step count on the CPU and a regulariser's finiteness check reads the loss back,
+        so they stay eager; so does SAM, whose capture was not tried on a GPU."""
         if device.type != "cuda" or regularizer is not None or cfg.optimizer != "sgd":
             return None
         if not self.graphs:
