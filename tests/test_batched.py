@@ -162,6 +162,19 @@ def test_torch_func_training_equals_the_one_by_one_loop_for_any_model(model, cfg
         assert any(not torch.equal(one[k], init[k]) for k in one)  # it trained
 
 
+def validated_setup(model: dict, peers: int, val_fraction: float):
+    """``peers`` digits peers of unequal sizes (Dirichlet 0.5), each with a validation split."""
+    partition = {"name": "dirichlet", "alpha": 0.5, "min_size": 8, "val_fraction": val_fraction}
+    return build(
+        experiment(
+            peers={"count": peers},
+            model=model,
+            partition=partition,
+            dataset={"name": "digits", "subset": 1000},
+        )
+    )
+
+
 MORE_CASES = [  # (model, training, FedProx's mu or None): SAM, the proximal term, best_val
     (
         {"name": "mlp", "hidden": [16]},
@@ -190,14 +203,7 @@ MORE_CASES = [  # (model, training, FedProx's mu or None): SAM, the proximal ter
     ids=[f"{m['name']}-{c.optimizer}-{c.select}-mu{u}" for m, c, u in MORE_CASES],
 )
 def test_sam_proximal_and_best_val_train_batched_as_in_the_loop(model, cfg, mu):
-    setup = build(
-        experiment(
-            peers={"count": 5},
-            model=model,
-            partition={"name": "dirichlet", "alpha": 0.5, "min_size": 8, "val_fraction": 0.3},
-            dataset={"name": "digits", "subset": 1000},
-        )
-    )
+    setup = validated_setup(model, 5, 0.3)
     peers = setup.data.peers
     init = setup.trainer.init_state(0)
     anchors = [{k: v + 0.05 * (p + 1) for k, v in init.items()} for p in range(len(peers))]
@@ -315,14 +321,7 @@ def test_fixed_steps_train_as_the_loop(monkeypatch, model, cfg, generic):
     """Whole-group steps (the shape CUDA replays from a graph): finished peers keep
     stepping on empty batches, and must still come out with their last step's weights."""
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)  # float32 on both sides
-    setup = build(
-        experiment(
-            peers={"count": 6},
-            model=model,
-            partition={"name": "dirichlet", "alpha": 0.5, "min_size": 8, "val_fraction": 0.2},
-            dataset={"name": "digits", "subset": 1000},
-        )
-    )
+    setup = validated_setup(model, 6, 0.2)
     peers = setup.data.peers
     assert len({p.num_train for p in peers}) > 1  # peers finish at different steps
     init = setup.trainer.init_state(0)
