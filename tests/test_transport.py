@@ -310,6 +310,25 @@ def test_fuzzed_receiver_still_takes_valid_messages(fuzz_target):
     assert torch.equal(msg.tensors["w"], torch.arange(4.0))
 
 
+def test_a_receive_whose_deadline_has_passed_takes_what_has_arrived():
+    """Push-sum's late shares: a Recv with a deadline already past returns at once, with
+    the frames that have reached the socket, not only those read in by an earlier wait."""
+    node = live_node()
+    sender = node.context.socket(zmq.PUSH)
+    sender.setsockopt(zmq.LINGER, 0)
+    sender.connect(node.endpoint)
+    try:
+        sender.send(valid_frame(round=3))
+        assert node.inbox_socket.poll(5000)  # it has come; nothing has read it in yet
+        start = time.monotonic()
+        (msg,) = node._recv(Recv(before=4, count=10, deadline=node.now() - 1.0))
+        assert msg.round == 3 and time.monotonic() - start < 1.0
+        assert node._recv(Recv(before=4, count=10, deadline=node.now())) == []
+    finally:
+        sender.close()
+        node.close()
+
+
 def test_curve_keeps_out_a_process_without_the_key(tmp_path):
     keys = tmp_path / "keys"
     assert p2pfl("keys", str(keys), "--peers", "3").returncode == 0

@@ -46,14 +46,15 @@ class Send:
 
 @dataclass(frozen=True)
 class Recv:
-    """Wait for ``count`` messages of one of ``kinds`` (and ``round``/``src`` if given).
+    """Wait for ``count`` messages of one of ``kinds`` (and ``round``/``src`` if given;
+    ``before``: of a round before that one).
 
     Returns them as a list sorted by sender, then by arrival, so the order never depends
     on timing. With a ``deadline`` (a time on the run's clock, see ``Now``) it returns at
     the latest then, with the matching messages that arrived (fewer, or none);
     ``deadline=math.inf`` waits until the run is over (simulated: when nothing else can
     happen; over sockets: ``transport.timeout_s`` without them) — a peer listening for a turn
-    that may never come.
+    that may never come. A deadline that has passed takes what has arrived, at once.
     """
 
     kinds: tuple[str, ...] = ("model",)
@@ -61,6 +62,7 @@ class Recv:
     round: int | None = None
     src: int | None = None
     deadline: float | None = None
+    before: int | None = None
 
 
 @dataclass(frozen=True)

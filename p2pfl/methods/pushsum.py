@@ -16,9 +16,9 @@ peers each round (the time-varying directed graphs of §4). ``wait_s`` waits at 
 for the round's shares; without it a peer waits for every in-neighbour. A lost share takes
 its mass with it: the weights decay, and since a step on z changes x by Δ, z then moves by
 Δ/w — push-sum needs links that deliver (we measured the collapse: docs/dynamics.md). A
-share that comes after its round's receive (its sender was held up) is added at the next
-receive, as SGP adds whatever has arrived; only shares that come after the last round's
-receive are left.
+share that comes after its round's receive (its sender was held up, or was online when its
+receiver took it for offline) is added at the next receive, as SGP adds whatever has
+arrived; only shares that come after the last round's receive are left.
 Only floating tensors are push-summed; other buffers stay the peer's own. The result
 is the mean of the peers' z_i.
 """
@@ -42,6 +42,9 @@ from p2pfl.methods.effects import (
     Train,
 )
 from p2pfl.network.plan import Plan, Transfer
+
+LATE = 1 << 30
+"""As many late shares as have come: a receive whose deadline has passed takes what is there."""
 
 
 def scaled(state: State, factor: float) -> State:
@@ -80,7 +83,6 @@ class PushSum(Method):
 
     def behaviour(self, ctx: NodeContext) -> Behaviour:
         x, w = ctx.init_state(), 1.0
-        owed: dict[int, int] = {}  # round -> its shares that had not come by its receive
         for r in range(1, self.rounds + 1):
             z = scaled(x, 1 / w)
             trained = (yield Train(z, r)).state
@@ -95,15 +97,8 @@ class PushSum(Method):
                 yield Send(j, "model", r, x, weight_meta(w))
             deadline = None if self.wait_s is None else (yield Now()) + self.wait_s
             msgs = yield Recv(count=len(incoming), round=r, deadline=deadline)
-            missing = len(incoming) - len(msgs)
-            if owed:  # earlier rounds' shares that came after their receive: added now
-                now = yield Now()
-                for q in sorted(owed):
-                    late = yield Recv(count=owed[q], round=q, deadline=now)
-                    msgs, owed[q] = msgs + late, owed[q] - len(late)
-                owed = {q: n for q, n in owed.items() if n}
-            if missing:
-                owed[r] = missing
+            if deadline is not None:  # shares that came after their round's receive, or extra
+                msgs += yield Recv(count=LATE, before=r + 1, deadline=(yield Now()))
             for m in msgs:
                 x = {k: v + m.tensors[k] if v.is_floating_point() else v for k, v in x.items()}
                 w += float(m.meta["weight"])

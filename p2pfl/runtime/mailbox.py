@@ -14,6 +14,7 @@ def matches(recv: Recv, msg: Message) -> bool:
     return (
         msg.kind in recv.kinds
         and (recv.round is None or msg.round == recv.round)
+        and (recv.before is None or msg.round < recv.before)
         and (recv.src is None or msg.src == recv.src)
     )
 
@@ -34,5 +35,6 @@ def describe(recv: Recv, name) -> str:
     """``recv`` in words, e.g. ``1 model message(s) of round 4 from 2``."""
     src = "" if recv.src is None else f" from {name(recv.src)}"
     rnd = "" if recv.round is None else f" of round {recv.round}"
+    rnd += "" if recv.before is None else f" of a round before {recv.before}"
     by = "" if recv.deadline is None else f" by t={recv.deadline:g}s"
     return f"{recv.count} {'/'.join(recv.kinds)} message(s){rnd}{src}{by}"
