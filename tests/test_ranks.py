@@ -80,24 +80,25 @@ ELMY = {  # a regulariser that keeps figures its method logs (pool{j}_ce, _d1, _
 
 
 @pytest.mark.parametrize(
-    ("devices", "env", "picked"),
+    ("devices", "local_rank", "picked"),
     [
-        ({"cpu"}, {}, []),  # CUDA untouched
-        ({"cuda:1"}, {}, []),  # a peer on cuda:N stays there
-        ({"cuda"}, {}, [1]),  # --workers: the rank (5) mod the GPUs (4)
-        ({"cpu", "cuda"}, {"LOCAL_RANK": "2"}, [2]),  # torchrun: the local rank
+        ({"cpu"}, 5, []),  # CUDA untouched
+        ({"cuda:1"}, 5, []),  # a peer on cuda:N stays there
+        ({"cuda"}, 5, [1]),  # the local rank (5) mod the GPUs (4)
+        ({"cpu", "cuda"}, 2, [2]),
     ],
 )
-def test_each_rank_takes_its_own_gpu(monkeypatch, devices, env, picked):
+def test_each_rank_takes_its_own_gpu(monkeypatch, devices, local_rank, picked):
     """The rule alone (one GPU here at most): a rank's ``cuda`` is GPU (local rank) mod
-    (GPUs), and a rank whose peers do not train on plain ``cuda`` leaves CUDA alone."""
+    (GPUs), and a rank whose peers do not train on plain ``cuda`` leaves CUDA alone. The
+    local rank is torchrun's ``LOCAL_RANK``, else the rank (``--workers``: one host)."""
     taken: list[int] = []
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
     monkeypatch.setattr(torch.cuda, "set_device", taken.append)
-    Ranks(5, 8).take_gpu({torch.device(d) for d in devices}, env)
+    Ranks(5, 8, local_rank=local_rank).take_gpu({torch.device(d) for d in devices})
     assert taken == picked
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    Ranks(5, 8).take_gpu({torch.device("cuda")}, env)  # one GPU: nothing to choose
+    Ranks(5, 8, local_rank=local_rank).take_gpu({torch.device("cuda")})  # one GPU: no choice
     assert taken == picked
 
 

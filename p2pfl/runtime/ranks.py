@@ -53,6 +53,7 @@ class Ranks:
     rank: int
     world: int
     threads_before: int = 0  # the thread count that ``close`` gives back (0: unchanged)
+    local_rank: int = 0  # among this host's ranks: torchrun's LOCAL_RANK, else the rank
     death: Callable[[float], str | None] | None = field(default=None, compare=False)
     """Rank 0 of ``--workers``: the line naming a rank that died, waiting up to the given
     seconds for it (a dead rank's connections close a moment before its exit is seen)."""
@@ -83,7 +84,7 @@ class Ranks:
         before = torch.get_num_threads()
         if threads:
             torch.set_num_threads(threads)
-        return cls(rank, world, before if threads else 0)
+        return cls(rank, world, before if threads else 0, int(env.get("LOCAL_RANK", rank)))
 
     def owners(self, costs: list[float]) -> list[int]:
         """The rank that trains each job: longest first, each to the least-loaded rank
@@ -177,13 +178,12 @@ class Ranks:
             why = self.death(1.0) if self.death is not None else None
             raise RunError(why or f"rank {self.rank} lost the others ({_reason(e)})") from None
 
-    def take_gpu(self, devices: set[torch.device], env: Mapping[str, str] = os.environ) -> None:
+    def take_gpu(self, devices: set[torch.device]) -> None:
         """One rank per GPU: where the peers train on plain ``cuda`` and this host has
-        several GPUs, this rank's ``cuda`` becomes GPU (local rank) mod (GPUs), the local
-        rank being torchrun's ``LOCAL_RANK`` or else the rank (``--workers``: one host). A
-        peer on ``cuda:N`` stays there. Call before anything is put on CUDA."""
+        several GPUs, this rank's ``cuda`` becomes GPU ``local_rank`` mod (GPUs). A peer on
+        ``cuda:N`` stays there. Call before anything is put on CUDA."""
         if torch.device("cuda") in devices and (count := torch.cuda.device_count()) > 1:
-            torch.cuda.set_device(int(env.get("LOCAL_RANK", self.rank)) % count)
+            torch.cuda.set_device(self.local_rank % count)
 
     def close(self) -> None:
         if dist.is_initialized():
