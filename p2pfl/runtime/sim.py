@@ -93,10 +93,9 @@ class SimRuntime:
             n: deque() for n in nodes
         }
         # with a shared uplink: each one's bits still to send, per transfer under way (in the
-        # order of the uplink queue), when they were counted, and the version of its timer
+        # order of the uplink queue), and when they were counted
         self.left: dict[int, list[float]] = {n: [] for n in nodes}
         self.counted: dict[int, float] = {n: 0.0 for n in nodes}
-        self.timer: dict[int, int] = {n: 0 for n in nodes}
         self.waiting: dict[int, Recv] = {}
         self.finals: dict[int, Finish] = {}
         # what tells the end of the run: nodes still running, those of them listening
@@ -320,23 +319,22 @@ class SimRuntime:
 
     def _next_done(self, src: int) -> None:
         """Arm the uplink's timer for the transfer that will finish first."""
-        self.timer[src] += 1
+        stale = self.armed.pop(src, None)
+        if stale is not None and not stale.processed:
+            self._idle(stale)  # re-armed: the old timer will be ignored
         if not self.left[src]:
             return
-        k, version = len(self.left[src]), self.timer[src]
+        k = len(self.left[src])
         due = min(
             max(bits, 0.0) * k / item[3].bandwidth_bps
             for bits, item in zip(self.left[src], self.uplink[src], strict=True)
         )
-        stale = self.armed.get(src)
-        if stale is not None and not stale.processed:
-            self._idle(stale)  # re-armed: the old timer will be ignored
         timer = self.armed[src] = self.env.timeout(due)
-        timer.callbacks.append(lambda _: self._shared_done(src, version))
+        timer.callbacks.append(lambda ev: self._shared_done(src, ev))
 
-    def _shared_done(self, src: int, version: int) -> None:
+    def _shared_done(self, src: int, timer: simpy.Event) -> None:
         """The uplink's timer: the transfers whose last bit has left arrive ``latency_s`` later."""
-        if version != self.timer[src]:
+        if self.armed.get(src) is not timer:  # a timer re-armed since
             return
         self._count(src)
         left, queue, now = self.left[src], self.uplink[src], self.env.now
