@@ -30,7 +30,6 @@ from p2pfl.core.yaml_io import parse_yaml
 from p2pfl.methods import METHODS
 from p2pfl.methods.base import Method
 from p2pfl.methods.cost_only import COST_ONLY
-from p2pfl.network.codecs import from_section
 from p2pfl.network.message import KINDS
 from p2pfl.network.plan import Plan, Transfer
 from p2pfl.network.topology import Topology, build_topology
@@ -118,7 +117,7 @@ def make_plan(setup: Setup, topology: Topology, model_bytes: int | None) -> Plan
         module=setup.trainer.module(torch.device("cpu")),
         num_train=[p.num_train for p in peers],
         num_val=[len(p.val_y) for p in peers],
-        compression=from_section(setup.config["compression"]),
+        compression=setup.compression,
         model_bytes=model_bytes,
     )
 

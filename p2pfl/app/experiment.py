@@ -33,7 +33,6 @@ from p2pfl.learning.training import TrainConfig, Trainer, resolve_device
 from p2pfl.methods import METHODS
 from p2pfl.methods.attacks import build_adversary
 from p2pfl.methods.effects import Finish, State
-from p2pfl.network.codecs import from_section
 from p2pfl.network.dynamics import Network
 from p2pfl.network.ledger import Ledger, summarize_csv
 from p2pfl.network.peers import build_population
@@ -92,10 +91,10 @@ def build(config: dict[str, Any], transport: str = "sim") -> Setup:
     adversary = None
     if "adversary" in config:
         adversary = _within("adversary", build_adversary, config["adversary"], topology, seed)
-        if adversary is not None and adversary.attack.corrupts and method.unattackable:
+    if adversary is not None:
+        if adversary.attack.corrupts and method.unattackable:
             raise ConfigError("attack", method.unattackable).within("adversary")
-    if adversary is not None:  # a data attack changes what the attackers train on
-        for p in adversary.peers:
+        for p in adversary.peers:  # a data attack changes what the attackers train on
             data.peers[p] = adversary.attack.poison(data.peers[p], data.num_classes)
     train = TrainConfig(**config["train"])
     train.check_data(data.peers)
@@ -263,9 +262,8 @@ def _simulate(
         metrics, setup.eval.every, setup.method.total_rounds(setup.topology.num_peers), out,
         progress, ranks,
     )  # fmt: skip
-    compression = from_section(setup.config["compression"])
     runtime = SimRuntime(
-        setup.topology, worker, ledger, compression, setup.network, setup.population.uplink
+        setup.topology, worker, ledger, setup.compression, setup.network, setup.population.uplink
     )
     try:
         behaviours = {n: setup.behaviour(ctx) for n, ctx in setup.contexts().items()}

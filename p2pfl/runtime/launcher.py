@@ -38,7 +38,6 @@ from p2pfl.core.errors import ConfigError, RunError
 from p2pfl.core.yaml_io import read_yaml
 from p2pfl.learning.training import optimizer
 from p2pfl.methods.effects import Finish
-from p2pfl.network.codecs import from_section
 from p2pfl.network.ledger import Ledger
 from p2pfl.network.message import Message
 from p2pfl.network.wire import WireError, decode, encode
@@ -135,7 +134,7 @@ def run_peer(
         metrics, setup.eval.every, setup.method.total_rounds(setup.topology.num_peers), out,
     )  # fmt: skip
     zn = ZmqNode(
-        node, setup.topology, worker, ledger, transport, from_section(setup.config["compression"]),
+        node, setup.topology, worker, ledger, transport, setup.compression,
         setup.network, model_schema(setup.trainer.module(torch.device("cpu"))),
     )  # fmt: skip
     result: dict[str, Any] = {"node": name, "status": "failed"}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -15,7 +16,7 @@ from p2pfl.learning.training import TrainConfig, Trainer, resolve_device
 from p2pfl.methods.attacks import Adversary, attacked
 from p2pfl.methods.base import Method, NodeContext
 from p2pfl.methods.effects import Behaviour
-from p2pfl.network.codecs import from_section
+from p2pfl.network.codecs import Compression, from_section
 from p2pfl.network.dynamics import Network
 from p2pfl.network.peers import Population
 from p2pfl.network.topology import Topology
@@ -65,6 +66,11 @@ class Setup:
     def seed(self) -> int:
         return self.config["seed"]
 
+    @functools.cached_property
+    def compression(self) -> Compression:
+        """The ``compression:`` section, parsed once for every node and runtime."""
+        return from_section(self.config["compression"])
+
     @property
     def devices(self) -> set[torch.device]:
         """The devices the peers train on."""
@@ -88,7 +94,6 @@ class Setup:
         init_seed = derive_seed(self.seed, "init")
         params = self.trainer.module(torch.device("cpu")).named_parameters()
         trainable = frozenset(name for name, _ in params)
-        compression = from_section(self.config["compression"])
         return {
             node: NodeContext(
                 node=node,
@@ -99,7 +104,7 @@ class Setup:
                 seed=self.seed,
                 init_state=lambda: self.trainer.init_state(init_seed),
                 trainable=trainable,
-                compression=compression,
+                compression=self.compression,
             )
             for node in self.topology.graph.nodes
         }
