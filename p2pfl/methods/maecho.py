@@ -447,9 +447,10 @@ class MAEcho(UploadOnce):
         stats: Statistics = yield Compute(local, fn, passes=1 / 3)  # one forward pass
         tensors, meta = pack(stats, self.rank), {"classifier": stats.classifier}
         targets = self.targets(ctx.topology, ctx.node)
+        own = [Part("model", local, {}, None), Part("statistics", tensors, meta, None)]
         for dst in targets:
-            yield Send(dst, "model", 1, local)
-            yield Send(dst, "statistics", 1, tensors, meta)
+            for kind, sent, sent_meta, codec in own:
+                yield Send(dst, kind, 1, sent, sent_meta, codec)
         if self.placement == "star":
             if self.deadline_s is not None:  # the result may never come: keep the own model
                 got = yield Recv(kinds=("model",), round=1, src=ctx.server, deadline=math.inf)
@@ -459,7 +460,6 @@ class MAEcho(UploadOnce):
             yield Finish(msg.tensors)
             return
         msgs = yield from self.uploads(2 * len(targets), 2)
-        own = [Part("model", local, {}, None), Part("statistics", tensors, meta, None)]
         received = contributions(msgs + as_received(own, ctx.node, 1, ctx.compression))
         model = yield from self.combine(received, report=ctx.node == min(ctx.peers))
         yield Evaluate(model, 1)
