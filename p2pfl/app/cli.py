@@ -225,9 +225,11 @@ def _is_sweep(path: Path) -> bool:
 
 def _is_cells_table(path: Path) -> bool:
     """Whether ``path`` is a sweep's ``cells.csv``: its header holds the cell columns."""
+    from p2pfl.app.sweep import CELL_COLUMNS  # imported already by the commands that ask
+
     try:
         with path.open(encoding="utf-8", errors="replace") as f:
-            return ",cell,status,reason," in f.readline(4096)
+            return f",{','.join(CELL_COLUMNS[:3])}," in f.readline(4096)
     except OSError:
         return False
 

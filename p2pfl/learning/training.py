@@ -214,9 +214,8 @@ class Trainer:
         training with the same batch size, optimizer settings and sample shape. Adam keeps
         its step count on the CPU and a regulariser's finiteness check reads the loss back,
         so they stay eager; so does SAM, whose capture was not tried on a GPU."""
-        if device.type != "cuda" or regularizer is not None or cfg.optimizer != "sgd":
-            return None
-        if not self.graphs:
+        eager = regularizer is not None or cfg.optimizer != "sgd"
+        if not self.graphs or device.type != "cuda" or eager:
             return None
         key = (device, shape, cfg.batch_size, cfg.lr, cfg.momentum, cfg.weight_decay)
         if key not in self._full:
