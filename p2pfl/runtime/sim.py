@@ -97,6 +97,7 @@ class SimRuntime:
         self.left: dict[int, list[float]] = {n: [] for n in nodes}
         self.counted: dict[int, float] = {n: 0.0 for n in nodes}
         self.waiting: dict[int, Recv] = {}
+        self.dropped: dict[int, dict[str, int]] = {}  # per receiver: undelivered, by fate
         self.finals: dict[int, Finish] = {}
         # what tells the end of the run: nodes still running, those of them listening
         # "until the end", and timers in SimPy's queue that can change nothing then (a
@@ -135,7 +136,7 @@ class SimRuntime:
             what = "; ".join(
                 f"{self.topology.name(n)} waits for {self._describe(n)}" for n in stuck
             )
-            raise RunError(f"deadlock: {what}")  # the caller adds the time
+            raise RunError(f"deadlock: {what}{self._why(stuck)}")  # the caller adds the time
         return self.finals
 
     def _run_until_quiet(self) -> None:
@@ -173,6 +174,24 @@ class SimRuntime:
                 process.interrupt("crash")
 
         return crash
+
+    def _why(self, stuck: list[int]) -> str:
+        """Why a network that misbehaves may have left them waiting: a wait without a
+        deadline lasts until every message it counts on comes, and some never will."""
+        blind = [n for n in stuck if n in self.waiting and self.waiting[n].deadline is None]
+        if self.network is None or not blind:
+            return ""
+        fates: dict[str, int] = {}
+        for n in blind:
+            for fate, k in self.dropped.get(n, {}).items():
+                fates[fate] = fates.get(fate, 0) + k
+        told = ", ".join(f"{k} {fate}" for fate, k in sorted(fates.items())) or "none"
+        return (
+            " (with a network: section a wait without a deadline can last for ever: a message "
+            "lost, sent while its receiver was offline, or never sent by a peer that took its "
+            f"receiver for offline; undelivered to the waiting: {told}; give the algorithm "
+            "its deadline, e.g. wait_s or deadline_s)"
+        )
 
     def _describe(self, node: int) -> str:
         recv = self.waiting.get(node)
@@ -385,6 +404,8 @@ class SimRuntime:
             fate = self.network.fate(src, dst, sent, now, lost)
             self._record(msg, size, sent, now, fate)
             if fate != "delivered":
+                dropped = self.dropped.setdefault(dst, {})
+                dropped[fate] = dropped.get(fate, 0) + 1
                 return
         self.inbox[dst].append(msg)
         recv = self.waiting.get(dst)
