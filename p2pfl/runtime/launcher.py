@@ -59,6 +59,16 @@ class Outcome:
     startup_s: float | None = None  # from launch until every node was up (a launcher's run)
 
 
+@dataclass
+class NodeFiles:
+    """What a real run's nodes wrote in their ``peers/NAME/`` directories, read and checked
+    once: each node's ``result.json`` (a node killed by its crash wrote none) and its metric
+    and comm rows."""
+
+    results: dict[int, dict[str, Any]]
+    rows: dict[int, tuple[list[tuple], list[tuple]]]
+
+
 def node_id(setup: Setup, name: str, key: str = "--peer") -> int:
     """``"server"`` or a peer number -> the node id; a clear error (naming ``key``) otherwise."""
     topo = setup.topology
@@ -91,6 +101,7 @@ def read_addresses(path: Path, setup: Setup) -> dict[int, str]:
     """An addresses file: a YAML mapping from node names to ``tcp://host:port``."""
     table = read_yaml(path, "addresses file")
     out: dict[int, str] = {}
+    owner: dict[str, int] = {}  # each address's node
     for name, address in table.items():
         try:
             node = node_id(setup, str(name), key=str(name))
@@ -99,16 +110,17 @@ def read_addresses(path: Path, setup: Setup) -> dict[int, str]:
             raise
         if not isinstance(address, str) or not re.fullmatch(r"tcp://\S+:\d+", address):
             raise ConfigError(str(name), f"must be tcp://HOST:PORT, got {address!r}", str(path))
-        port = int(address.rpartition(":")[2])
-        twin = next((setup.topology.name(n) for n, a in out.items() if a == address), None)
-        if node in out or twin is not None or not 1 <= port <= 65535:
-            reason = (
-                f"node {setup.topology.name(node)} is given twice" if node in out
-                else f"the same address as node {twin}: {address}" if twin is not None
-                else f"port {port} is not in 1..65535"
-            )  # fmt: skip
+        port, twin = int(address.rpartition(":")[2]), owner.get(address)
+        reason = (
+            f"node {setup.topology.name(node)} is given twice" if node in out
+            else f"the same address as node {setup.topology.name(twin)}: {address}"
+            if twin is not None
+            else f"port {port} is not in 1..65535" if not 1 <= port <= 65535
+            else None
+        )  # fmt: skip
+        if reason is not None:
             raise ConfigError(str(name), reason, str(path))
-        out[node] = address
+        out[node], owner[address] = address, node
     missing = [setup.topology.name(n) for n in setup.topology.graph.nodes if n not in out]
     if missing:
         raise ConfigError("", f"no address for node(s) {', '.join(missing)}", file=str(path))
@@ -219,13 +231,23 @@ def wait_nodes(procs: dict[int, Forked], setup: Setup, out: Path) -> int:
     """Wait for every forked node (``p2pfl peer`` with several); the first that fails or
     dies ends the wait at once, named (the others are stopped), as do Ctrl-C and SIGTERM."""
     try:
-        while any(p.poll() is None for p in procs.values()):
-            _check(procs, out, setup)
-            time.sleep(0.05)
-        _check(procs, out, setup)
+        _watch(procs, out, setup)
     finally:
         stop(procs.values(), STOP_GRACE_S)
     return 0
+
+
+def _watch(procs: dict[int, Forked], out: Path, setup: Setup, t0: float | None = None) -> None:
+    """Poll the forked nodes until every one has exited; the first that fails or dies
+    raises, named (:func:`_check`). Given the run's start ``t0``, each node whose crash time
+    (``network.crashes``) has come is killed, and its death is no failure."""
+    crashed: set[int] = set()
+    while any(p.poll() is None for p in procs.values()):
+        if t0 is not None:
+            _crash(procs, setup, t0, crashed)
+        _check(procs, out, setup, crashed)
+        time.sleep(0.05)
+    _check(procs, out, setup, crashed)
 
 
 STOP_GRACE_S = 1.0
@@ -305,34 +327,27 @@ def launch(setup: Setup, out: Path, reporters: Reporter) -> Outcome:
             table = {str(n): ep for n, (_, ep) in addresses.items()}
             for ident, _ in addresses.values():
                 ctl.send_multipart([ident, json.dumps({"addresses": table, "t0": t0}).encode()])
-            crashed: set[int] = set()
-            while any(p.poll() is None for p in procs.values()):
-                _crash(procs, setup, t0, crashed)
-                _check(procs, out, setup, crashed)
-                time.sleep(0.05)
-            _check(procs, out, setup, crashed)
+            _watch(procs, out, setup, t0)
     finally:
         stop(procs.values(), STOP_GRACE_S)
         ctl.close()
         context.term()
-        comm = _merge(out, nodes, setup, reporters)
-    return Outcome(*_collect(out, nodes, setup), time.monotonic() - start, comm, startup_s)
+        files = read_nodes(out, setup)
+        comm = _merge(out, files, setup, reporters)
+    return Outcome(*_collect(out, files, setup), time.monotonic() - start, comm, startup_s)
 
 
-def gather(setup: Setup, out: Path, reporters: Reporter) -> Outcome:
+def gather(setup: Setup, out: Path, files: NodeFiles, reporters: Reporter) -> Outcome:
     """The outcome of a run whose nodes ran elsewhere (``p2pfl peer`` on several hosts),
-    their ``peers/NAME/`` directories copied into ``out``: merged as the launcher merges its
-    own. Its elapsed time is the longest node's, from its start to its end."""
-    nodes = sorted(setup.topology.graph.nodes)
-    results = {}
-    for n in nodes:
-        name = setup.topology.name(n)
-        results[n] = read_result(out / "peers" / name)
-        if results[n]["status"] == "failed":
-            raise RunError(f"peer {name} failed: {results[n].get('error', 'no reason given')}")
-    comm = _merge(out, nodes, setup, reporters)
-    elapsed = max(float(r.get("elapsed_s", 0.0)) for r in results.values())
-    return Outcome(*_collect(out, nodes, setup), elapsed, comm)
+    their ``peers/NAME/`` directories copied into ``out`` and read (``files``): merged as the
+    launcher merges its own. Its elapsed time is the longest node's, from start to end."""
+    for n, result in files.results.items():
+        if result["status"] == "failed":
+            name = setup.topology.name(n)
+            raise RunError(f"peer {name} failed: {result.get('error', 'no reason given')}")
+    comm = _merge(out, files, setup, reporters)
+    elapsed = max(float(r.get("elapsed_s", 0.0)) for r in files.results.values())
+    return Outcome(*_collect(out, files, setup), elapsed, comm)
 
 
 def _gather_hellos(ctl, procs, out: Path, setup: Setup, transport: TransportConfig):
@@ -400,20 +415,27 @@ def _rows(path: Path, types: tuple[type, ...]) -> list[tuple]:
             raise RunError(f"{path}: line {reader.line_num}: not a row a node writes") from None
 
 
-def node_rows(mine: Path, fates: bool) -> tuple[list[tuple], list[tuple]]:
-    """A node's metric and comm rows (in its directory ``mine``), checked as :func:`_rows`."""
-    comm = COMM_ROW + (str,) * fates
-    return _rows(mine / "metrics.csv", METRIC_ROW), _rows(mine / "comm.csv", comm)
+def read_nodes(out: Path, setup: Setup) -> NodeFiles:
+    """Every node's files in ``out/peers/NAME/``; a ``RunError`` naming the first file that
+    is not one a node writes (:func:`read_result`, :func:`_rows`)."""
+    comm_row = COMM_ROW + (str,) * (setup.network is not None)
+    files = NodeFiles({}, {})
+    for n in sorted(setup.topology.graph.nodes):
+        mine = out / "peers" / setup.topology.name(n)
+        if (mine / "result.json").is_file():
+            files.results[n] = read_result(mine)
+        metrics, comm = _rows(mine / "metrics.csv", METRIC_ROW), _rows(mine / "comm.csv", comm_row)
+        files.rows[n] = metrics, comm
+    return files
 
 
-def _merge(out: Path, nodes: list[int], setup: Setup, reporters: Reporter) -> dict[str, Any]:
-    """Replay the peers' metric rows into ``reporters`` and merge their comm files into the
-    run's, ordered by time."""
-    fates = setup.network is not None
-    rows = [node_rows(out / "peers" / setup.topology.name(n), fates) for n in nodes]
+def _merge(out: Path, files: NodeFiles, setup: Setup, reporters: Reporter) -> dict[str, Any]:
+    """Replay the nodes' metric rows into ``reporters`` and merge their comm rows into the
+    run's ``comm.csv``, ordered by time."""
+    rows = files.rows.values()
     for row in sorted((r for metrics, _ in rows for r in metrics), key=lambda r: r[0]):
         reporters.log(*row)
-    ledger = Ledger(out / "comm.csv", fates)
+    ledger = Ledger(out / "comm.csv", setup.network is not None)
     for row in sorted((r for _, comm in rows for r in comm), key=lambda r: r[0]):
         ledger.record(*row)
     ledger.close()
@@ -436,15 +458,13 @@ def read_result(mine: Path) -> dict[str, Any]:
     return result
 
 
-def _collect(out: Path, nodes: list[int], setup: Setup) -> tuple[dict[int, Finish], dict]:
-    """Every node's final model and reports, read back from its ``peers/NAME/`` files."""
+def _collect(out: Path, files: NodeFiles, setup: Setup) -> tuple[dict[int, Finish], dict]:
+    """Every node's final model (its ``final.bin``) and reports; a node killed by its crash
+    before it could write its result has none."""
     finals: dict[int, Finish] = {}
     baselines: dict[str, float] = {}
-    for n in nodes:
+    for n, result in files.results.items():
         mine = out / "peers" / setup.topology.name(n)
-        if not (mine / "result.json").is_file():  # killed by its crash before it could write
-            continue
-        result = read_result(mine)
         state = None
         if (mine / "final.bin").is_file():
             try:
