@@ -65,6 +65,12 @@ def apply_set(config: dict[str, Any], assignment: str) -> None:
         value = parse_yaml(raw)
     except yaml.YAMLError:
         value = raw
+    set_path(config, key, value)
+
+
+def set_path(config: dict[str, Any], key: str, value: Any) -> None:
+    """``config[a][b][c] = value`` for the dotted ``key`` ``a.b.c``, making the mappings on
+    the way; a ``ConfigError`` where one on the way is not a mapping."""
     *parents, leaf = key.split(".")
     node = config
     for i, part in enumerate(parents):

@@ -27,7 +27,6 @@ import csv
 import functools
 import itertools
 import json
-import operator
 import os
 import re
 import signal
@@ -41,10 +40,11 @@ from typing import Any
 
 import yaml
 
-from p2pfl.app.config import SECTIONS, apply_set, read_experiment, resolve
+from p2pfl.app.config import SECTIONS, read_experiment, resolve, set_path
 from p2pfl.app.experiment import build, empty, run
 from p2pfl.core.errors import ConfigError, RunError, TopologyMisfit
 from p2pfl.data.datasets import loaded_once
+from p2pfl.reporting.reporters import ended_well
 
 SHORTHAND = {"topology": "kind"}
 """The key a string value of a section stands for (``name`` for the other sections)."""
@@ -131,9 +131,7 @@ def apply(raw: dict[str, Any], values: dict[str, Any]) -> dict[str, Any]:
     out = copy.deepcopy(raw)
     for key, value in sorted(values.items(), key=lambda kv: "." in kv[0]):
         if "." in key:
-            apply_set(out, f"{key}=null")  # the path made (or refused) as --set makes it
-            *parents, leaf = key.split(".")
-            functools.reduce(operator.getitem, parents, out)[leaf] = copy.deepcopy(value)
+            set_path(out, key, copy.deepcopy(value))  # the path made (or refused) as --set
         elif isinstance(value, str) and key != "seed":
             out[key] = {SHORTHAND.get(key, "name"): value}
         else:
@@ -189,12 +187,12 @@ def misfits(todo: list[Cell], file: Path, transport: str) -> dict[str, str]:
 
 def finished(out: Path, config: dict[str, Any]) -> dict[str, Any] | None:
     """The cell's summary if it already ran to the end with exactly this config."""
+    summary = ended_well(out)
     try:
-        summary = json.loads((out / "summary.json").read_text())
         same = (out / "config.yaml").read_text() == yaml.safe_dump(config, sort_keys=False)
     except (OSError, ValueError):
         return None
-    return summary if isinstance(summary, dict) and summary.get("status") == "ok" and same else None
+    return summary if same else None
 
 
 def run_cell(
