@@ -319,7 +319,7 @@ def cmd_merge(args: argparse.Namespace) -> int:
     from p2pfl.app.config import resolve
     from p2pfl.app.experiment import build, run
     from p2pfl.core.yaml_io import read_yaml
-    from p2pfl.runtime.launcher import node_rows, read_result
+    from p2pfl.runtime.launcher import read_nodes
 
     out = output_dir(args.run)
     peers = out / "peers"
@@ -343,12 +343,10 @@ def cmd_merge(args: argparse.Namespace) -> int:
     if missing:
         shown = ", ".join(missing[:5]) + (", ..." if len(missing) > 5 else "")
         raise ConfigError("RUN_DIR", f"no peers/NAME/result.json for node(s) {shown} in {out}")
-    for n in names:
-        try:
-            read_result(peers / n)
-            node_rows(peers / n, setup.network is not None)
-        except RunError as e:
-            raise ConfigError("RUN_DIR", str(e)) from None
+    try:
+        files = read_nodes(out, setup)
+    except RunError as e:
+        raise ConfigError("RUN_DIR", str(e)) from None
     merged = sorted(p.name for p in out.iterdir() if p.name not in ("peers", LOCK))
     if merged and not args.force:
         raise ConfigError(
@@ -358,7 +356,7 @@ def cmd_merge(args: argparse.Namespace) -> int:
 
     with _locked(out):
         empty(out, keep=(LOCK, "peers"))
-        summary = run(setup, out, transport="zmq", gathered=True)
+        summary = run(setup, out, transport="zmq", gathered=files)
     _say(setup.config["name"], summary, out)
     return 0
 

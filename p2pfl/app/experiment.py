@@ -41,7 +41,7 @@ from p2pfl.reporting import matching
 from p2pfl.reporting.partition import save_partition
 from p2pfl.reporting.reporters import Reporter, open_reporters
 from p2pfl.runtime.children import Forked
-from p2pfl.runtime.launcher import gather, launch
+from p2pfl.runtime.launcher import NodeFiles, gather, launch
 from p2pfl.runtime.ranks import Ranks
 from p2pfl.runtime.setup import EvalConfig, Setup
 from p2pfl.runtime.sim import SimRuntime
@@ -133,11 +133,11 @@ def run(
     progress: bool = False,
     transport: str = "sim",
     ranks: Ranks | None = None,
-    gathered: bool = False,
+    gathered: NodeFiles | None = None,
 ) -> dict[str, Any]:
     """Run ``setup`` simulated (``sim``; over several ``ranks`` if given) or as real
     processes (``zmq``); write to ``out``. ``gathered``: the real run happened elsewhere
-    (``p2pfl peer`` on several hosts) and its nodes' directories are in ``out``: merge them."""
+    (``p2pfl peer`` on several hosts); its nodes' files, read from ``out``: merge them."""
     out.mkdir(parents=True, exist_ok=True)
     config_file = out / "config.yaml"
     config_file.write_text(yaml.safe_dump(setup.config, sort_keys=False))
@@ -151,7 +151,10 @@ def run(
         if transport == "sim":
             finals, baselines, clock, comm = _simulate(setup, out, progress, reporters, ranks)
         else:
-            outcome = gather(setup, out, reporters) if gathered else launch(setup, out, reporters)
+            outcome = (
+                launch(setup, out, reporters) if gathered is None
+                else gather(setup, out, gathered, reporters)
+            )  # fmt: skip
             finals, baselines, clock, comm = (
                 outcome.finals, outcome.baselines, outcome.elapsed_s, outcome.comm
             )  # fmt: skip

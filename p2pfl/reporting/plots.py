@@ -27,7 +27,7 @@ import json
 from bisect import bisect_right
 from collections import defaultdict
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +44,7 @@ from p2pfl.core.seeding import derive_seed
 from p2pfl.core.yaml_io import read_yaml
 from p2pfl.network.topology import Topology, build_topology
 from p2pfl.reporting.heatmap import heatmap_figure
+from p2pfl.reporting.reporters import ended_well
 
 FORMATS = ("png", "svg")
 LINES = ("-", "--", ":", "-.")  # line i gets style i, so identical curves stay visible
@@ -62,6 +63,8 @@ class Run:
     """``availability.csv`` as (peer, online from, online to) rows; None without the file."""
     partition: tuple[tuple[int, ...], ...] = ()
     """``partition.csv``: samples per peer (rows) and class (columns)."""
+    summary: dict[str, Any] = field(default_factory=dict)
+    """``summary.json``."""
 
 
 METRICS = {"time": float, "round": int, "peer": str, "metric": str, "value": float}
@@ -113,21 +116,13 @@ def _partition(path: Path) -> tuple[tuple[int, ...], ...]:
     return tuple(tuple(int(r[c]) for c in classes) for r in rows)
 
 
-def finished(path: Path) -> bool:
-    """Whether the run in ``path`` ended well: its ``summary.json`` says ``"status": "ok"``
-    (an interrupted re-run of a sweep cell leaves the old ``cells.csv`` saying ``done``)."""
-    try:
-        summary = json.loads((path / "summary.json").read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError):
-        return False
-    return isinstance(summary, dict) and summary.get("status") == "ok"
-
-
-def read_run(path: Path) -> Run:
-    """A finished run's outputs, checked (``ConfigError`` naming a missing or broken file)."""
+def read_run(path: Path, summary: dict[str, Any] | None = None) -> Run:
+    """A finished run's outputs, checked (``ConfigError`` naming a missing or broken file);
+    ``summary``: its ``summary.json``, where the caller has read it already."""
     try:
         config = read_yaml(path / "config.yaml", "run config")
-        summary = json.loads((path / "summary.json").read_text(encoding="utf-8"))
+        if summary is None:
+            summary = json.loads((path / "summary.json").read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, ValueError) as e:
         raise ConfigError("", f"not a finished run: {path / 'summary.json'}: {e}") from None
     if not isinstance(summary, dict):
@@ -143,7 +138,7 @@ def read_run(path: Path) -> Run:
     try:
         run = Run(
             path, config, _rows(path / "metrics.csv", METRICS), _rows(path / "comm.csv", COMM),
-            partition=_partition(path / "partition.csv"),
+            partition=_partition(path / "partition.csv"), summary=summary,
         )  # fmt: skip
     except OSError as e:
         raise ConfigError("", f"not a finished run: {e.strerror}: {e.filename}") from None
@@ -163,7 +158,8 @@ def line_name(keys: list[str], labels: dict[str, Any]) -> str:
 
 def expand(paths: list[Path]) -> list[tuple[str, list[Run]]]:
     """(label, runs) lines: a run is its own line; a sweep's finished cells (``ok`` or
-    ``done`` in ``cells.csv`` and :func:`finished`) are grouped by every sweep key but
+    ``done`` in ``cells.csv``, and a ``summary.json`` that says ``ok``: an interrupted re-run
+    of a cell leaves the old ``cells.csv`` saying ``done``) are grouped by every sweep key but
     ``seed`` (named after the sweep too when there are several paths)."""
     lines = []
     for path in paths:
@@ -178,9 +174,12 @@ def expand(paths: list[Path]) -> list[tuple[str, list[Run]]]:
                 if Path(row["cell"]).name != row["cell"] or row["cell"] in ("", ".", ".."):
                     raise ConfigError("", f"{path / 'cells.csv'}: {row['cell']!r} is not a cell")
                 cell = path / row["cell"]  # one that is gone: read_run names it
-                if row["status"] in ("ok", "done") and (not cell.is_dir() or finished(cell)):
+                if row["status"] not in ("ok", "done"):
+                    continue
+                summary = ended_well(cell)
+                if summary is not None or not cell.is_dir():
                     name = prefix + line_name(keys, row)
-                    groups.setdefault(name, []).append(read_run(cell))
+                    groups.setdefault(name, []).append(read_run(cell, summary))
             lines += groups.items()
         else:
             raise ConfigError("", f"{path} is neither a run (summary.json) nor a sweep (cells.csv)")
@@ -358,8 +357,8 @@ def online_count(intervals: list[tuple[float, float]], times: np.ndarray) -> np.
 def run_end(run: Run) -> float:
     """The run's simulated end (``summary.json``), else the last online interval's end."""
     try:
-        return float(json.loads((run.path / "summary.json").read_text())["sim_time_s"])
-    except (OSError, ValueError, KeyError):
+        return float(run.summary["sim_time_s"])
+    except (KeyError, TypeError, ValueError):
         return max((b for _, _, b in run.availability or []), default=0.0)
 
 

@@ -7,11 +7,14 @@ in ``eval.reporters`` (``[tensorboard]``); a plug-in adds one with
 
 Over ZeroMQ each node writes only its own ``peers/NAME/metrics.csv``; the launcher replays
 the merged rows, in time order, into the run's reporters, so both runtimes report the same.
+:func:`ended_well` reads a run directory's ``summary.json`` back, for a sweep that skips its
+done cells and for the figures.
 """
 
 from __future__ import annotations
 
 import csv
+import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -20,6 +23,16 @@ from p2pfl.core.errors import ConfigError
 from p2pfl.core.options import Registry
 
 METRIC_COLUMNS = ["time", "round", "peer", "metric", "value"]
+
+
+def ended_well(out: Path) -> dict[str, Any] | None:
+    """The ``summary.json`` of the run in ``out`` if it says ``"status": "ok"``; None if it is
+    missing, unreadable or says otherwise (a run that failed, or was interrupted)."""
+    try:
+        summary = json.loads((out / "summary.json").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        return None
+    return summary if isinstance(summary, dict) and summary.get("status") == "ok" else None
 
 
 class Reporter:
