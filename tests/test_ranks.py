@@ -118,6 +118,21 @@ def test_world_sizes_1_2_and_4_write_the_same_bytes(tmp_path, sections):
     assert "WORLD_SIZE" not in os.environ  # rank 0's process is given back as it was
 
 
+def test_a_failed_spread_run_keeps_the_rows_of_one_process(tmp_path):
+    """A run that deadlocks (messages lost, no wait) while scores are deferred to the next
+    flush: rank 0 scores them alone and writes every row, as one process writes them (the
+    rows held behind the pending scores were lost)."""
+    exp = exp_file(tmp_path, **(RING | {"network": {"links": {"loss": 0.05}}}))
+    runs = {}
+    for n in (1, 2, 4):
+        out = tmp_path / f"w{n}"
+        assert spread(exp, out, n) == 1
+        runs[n] = outputs(out)
+    assert runs[2] == runs[1] and runs[4] == runs[1]
+    assert runs[1]["summary"]["status"] == "failed" and "deadlock" in runs[1]["summary"]["error"]
+    assert b",accuracy," in runs[1]["metrics.csv"]
+
+
 def test_workers_and_batching_compose_to_the_same_bytes(tmp_path):
     """The batched groups are formed before the trainings are split over the ranks, and go
     whole to one of them: the same bits on 1, 2 and 4 ranks (a rank that got a group's

@@ -9,6 +9,7 @@ signal and the ``comm`` totals of what ``comm.csv`` holds).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import itertools
 import json
@@ -273,6 +274,9 @@ def _simulate(
         finals = runtime.run(behaviours)
         worker.settle()
     except Exception as e:
+        if ranks is not None and ranks.rank == 0:  # keep the rows held behind deferred scores
+            with contextlib.suppress(Exception):  # the run's own error is the one to report
+                worker.settle(alone=True)
         raise RunError(f"at t={runtime.now:.3f}s: {e}") from e
     finally:
         worker.close()

@@ -8,6 +8,7 @@ seconds each piece of compute costs.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -292,13 +293,18 @@ class Worker:
             assert not isinstance(value, tuple)
             self.metrics.log(now, round, peer, metric, value)
 
-    def settle(self) -> None:
+    def settle(self, alone: bool = False) -> None:
         """Run the deferred evaluations, split across the ranks, and write the rows held
-        behind them: ``metrics.csv`` reads as if each had been scored when it was asked."""
+        behind them: ``metrics.csv`` reads as if each had been scored when it was asked.
+        ``alone``: score them all here, with no collective (a run that failed: another rank
+        may be gone), the same scores."""
         if self.ranks is None or not self._evals:
             return
         evals = self._evals
-        scores = self.ranks.spread(len(evals), 2, lambda i: self._score(*evals[i]))
+        scores: Sequence[Sequence[float]] = (
+            [self._score(*e) for e in evals] if alone
+            else self.ranks.spread(len(evals), 2, lambda i: self._score(*evals[i]))
+        )  # fmt: skip
         self._evals = []
         for now, round, peer, metric, value in self._rows:
             if isinstance(value, tuple):
