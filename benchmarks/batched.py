@@ -12,6 +12,9 @@ round) with ``peers.batched`` off and on. Repeats alternate the two, so load hit
 ``--device cuda`` runs both sides on the GPU, where both replay their SGD steps from CUDA
 graphs (the loop each peer's full-size steps, batched each group's); two more LeNet rows
 turn them off in the loop alone, and on both sides. ``--models lenet`` runs the LeNet rows alone.
+On a CPU the LeNet row is followed by a bound: the loop's time against its steps' matrix
+products alone, batched over the peers with ``torch.bmm`` (:func:`gemm_bound`), the most any
+batching could gain on this CPU.
 
     OMP_NUM_THREADS=1 python benchmarks/batched.py [--peers 100] [--repeats 3]
         [--device cpu|cuda] [--models mlp lenet run]
@@ -26,7 +29,9 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -114,6 +119,61 @@ def side_by_side(
             acc_loop - acc_batched]  # fmt: skip
 
 
+def gemm_bound(setup: Setup, loop_s: float, peers: int, batch: int = 32) -> dict[str, Any]:
+    """The most any batching can gain on this CPU for the LeNet loop: a training step's
+    matrix products (each layer's forward, weight and input gradients, none for the input
+    itself, convolutions as im2col products) for ``peers`` peers as ``torch.bmm`` calls,
+    each in its faster orientation, timed; nothing else of a step (im2col itself, pooling,
+    activations, the loss, the update) is counted. Scaled to the loop's samples."""
+    module = setup.trainer.module(CPU)
+    shapes: list[tuple[int, int, int, bool]] = []  # (rows, inner, cols, first layer)
+
+    def hook(m: torch.nn.Module, _: tuple, out: torch.Tensor) -> None:
+        if isinstance(m, torch.nn.Conv2d):
+            kh, kw = m.kernel_size
+            rows, inner = batch * out.shape[-2] * out.shape[-1], m.in_channels * kh * kw
+        else:
+            assert isinstance(m, torch.nn.Linear)
+            rows, inner = batch, m.in_features
+        shapes.append((rows, inner, out.shape[1], not shapes))
+
+    layers = [m for m in module.modules() if isinstance(m, (torch.nn.Linear, torch.nn.Conv2d))]
+    hooks = [m.register_forward_hook(hook) for m in layers]
+    with torch.no_grad():
+        module(torch.zeros(1, *setup.data.peers[0].train_x.shape[1:]))
+    for h in hooks:
+        h.remove()
+    products = []  # (m, k, n) of each product of a step: out[m, n] = a[m, k] @ b[k, n]
+    for rows, inner, cols, first in shapes:
+        products += [(rows, inner, cols), (cols, rows, inner)] + [(rows, cols, inner)] * (not first)
+    step_s, flop, each = 0.0, 0.0, []
+    for m, k, n in products:
+        seconds = min(_bmm_s(peers, m, k, n), _bmm_s(peers, n, k, m))  # a@b or (b^T a^T)^T
+        step_s, flop = step_s + seconds, flop + 2.0 * peers * m * k * n
+        each.append({"m": m, "k": k, "n": n, "gflops": 2.0 * peers * m * k * n / seconds / 1e9})
+    a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
+    mm_rate = 2 * 2048**3 / _median_s(lambda: torch.mm(a, b))
+    steps = sum(p.num_train for p in setup.data.peers) / batch / peers  # the loop's, in steps
+    return {"loop_s": loop_s, "gemm_s": step_s * steps, "gemm_gflops": flop / step_s / 1e9,
+            "mm_gflops": mm_rate / 1e9, "most_speedup": loop_s / (step_s * steps),
+            "products": each}  # fmt: skip
+
+
+def _bmm_s(peers: int, m: int, k: int, n: int) -> float:
+    a, b = torch.randn(peers, m, k), torch.randn(peers, k, n)
+    return _median_s(lambda: torch.bmm(a, b))
+
+
+def _median_s(fn: Callable[[], object], repeats: int = 5) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
 def whole_run(config: dict, flag: bool, device: str) -> tuple[float, float]:
     cfg = copy.deepcopy(config)
     cfg["peers"]["batched"] = flag
@@ -159,6 +219,8 @@ def main() -> None:
         pool = batched.DataPool(setup.data.peers)
         rows.append(["lenet, momentum 0.9, torch.func", args.peers,
                      *side_by_side(setup, pool, sgd, args.repeats, device)])  # fmt: skip
+        if device == CPU:
+            extra["lenet_bound"] = gemm_bound(setup, rows[-1][2], args.peers)
         on_gpu = {"batched alone": (False, True), "neither": (False, False)}
         for side, graphs in on_gpu.items() if device.type == "cuda" else ():
             row = side_by_side(setup, pool, sgd, args.repeats, device, False, graphs)
@@ -170,6 +232,14 @@ def main() -> None:
                "batched_trainings_per_s", "max_abs_weight_diff", "accuracy_diff"]  # fmt: skip
     goal = 3.0 if device == CPU else 20.0
     report("batched", columns, rows, extra | {"goal_speedup": goal})
+    if "lenet_bound" in extra:
+        b = extra["lenet_bound"]
+        print(
+            f"LeNet bound: the loop took {b['loop_s']:.3f} s; its steps' matrix products alone, "
+            f"batched with bmm, take {b['gemm_s']:.3f} s ({b['gemm_gflops']:.1f} GFLOP/s; one "
+            f"large mm: {b['mm_gflops']:.1f}): batching can gain at most "
+            f"{b['most_speedup']:.2f}x here"
+        )
     print(f"load average before {extra['load_before']}, after {extra['load_after']}")
 
 
