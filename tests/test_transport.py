@@ -420,6 +420,7 @@ def test_a_multi_host_run_merged_has_the_outputs_of_a_launcher_run(tmp_path, cap
     real = json.loads((merged / "summary.json").read_text())
     sim = json.loads((tmp_path / "sim" / "summary.json").read_text())
     assert (real["status"], real["transport"]) == ("ok", "zmq")
+    assert 0 <= real["start_spread_s"] < 60  # each host's clock started when it had built
     assert real["final"] == sim["final"] and real["per_peer"] == sim["per_peer"]
     assert real["comm"]["total_bytes"] == sim["comm"]["total_bytes"] > 0
     rows = (merged / "metrics.csv").read_text().splitlines()
@@ -588,6 +589,67 @@ def test_addresses_that_cannot_all_be_bound_are_a_config_error(tmp_path, table, 
     path.write_text(yaml.safe_dump({k: f"tcp://127.0.0.1:{p}" for k, p in ports.items()}))
     with pytest.raises(ConfigError, match=f"addresses.yaml: {message}"):
         read_addresses(path, setup)
+
+
+def test_hosts_started_apart_share_one_clock_with_start_at(tmp_path):
+    """Two "hosts" started 2 s apart, both with ``--start-at``: every node's clock starts at
+    that time (its ``result.json`` says so), so their times are comparable; the merge says
+    how far apart the nodes' starts were (0 here) and equals the simulation."""
+    from p2pfl.app.cli import main
+    from p2pfl.runtime.children import free_port
+
+    path = write_experiment(
+        tmp_path, topology={"kind": "ring"}, algorithm={"name": "dfedavgm", "rounds": 1}
+    )
+    addresses = tmp_path / "addresses.yaml"
+    addresses.write_text(yaml.safe_dump({i: f"tcp://127.0.0.1:{free_port()}" for i in range(4)}))
+    start = round(time.time() + 12, 3)  # after both hosts' imports and builds
+    cmd = [sys.executable, "-m", "p2pfl", "peer", str(path), "--addresses", str(addresses)]
+    procs = []
+    for nodes in ("0-1", "2-3"):
+        procs.append(
+            subprocess.Popen(
+                [*cmd, "--peer", nodes, "--out", str(tmp_path / "run"), "--start-at", str(start)],
+                cwd=ROOT,
+            )
+        )
+        time.sleep(2)
+    assert [p.wait(timeout=300) for p in procs] == [0, 0]
+    results = [json.loads((tmp_path / f"run/peers/{i}/result.json").read_text()) for i in range(4)]
+    assert [r["t0"] for r in results] == [start] * 4
+    assert time.time() - start > max(r["elapsed_s"] for r in results)  # timed from the start
+    assert main(["merge", str(tmp_path / "run")]) == 0
+    real = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert real["status"] == "ok" and real["start_spread_s"] == 0.0
+    assert main(["run", str(path), "--out", str(tmp_path / "sim"), "--quiet"]) == 0
+    sim = json.loads((tmp_path / "sim" / "summary.json").read_text())
+    assert real["final"] == sim["final"]
+
+
+@pytest.mark.parametrize(
+    "when,message",
+    [
+        ("soon", "'soon' is neither Unix seconds nor an ISO 8601 time"),
+        ("2030-01-01T09:00:00", "has no time zone: add Z or +HH:MM"),
+        ("1", "1 is passed"),
+        ("2020-01-01T09:00:00Z", "is passed"),
+        (str(time.time() + 200_000), "is more than a day ahead"),
+        ("nan", "'nan' is not a time"),
+        ("-inf", "'-inf' is not a time"),
+    ],
+)
+def test_a_bad_start_time_is_one_line_before_anything_is_written(tmp_path, capsys, when, message):
+    from p2pfl.app.cli import main
+
+    path = write_experiment(tmp_path, topology={"kind": "ring"}, algorithm={"name": "dfedavgm"})
+    addresses = tmp_path / "addresses.yaml"
+    addresses.write_text(yaml.safe_dump({i: f"tcp://127.0.0.1:{27570 + i}" for i in range(4)}))
+    out = tmp_path / "out"
+    argv = ["peer", str(path), "--addresses", str(addresses), "--out", str(out), "--peer", "0"]
+    assert main([*argv, f"--start-at={when}"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--start-at" in err and message in err, err
+    assert not out.exists()
 
 
 def test_a_node_of_a_peer_command_that_dies_ends_it_at_once(tmp_path):

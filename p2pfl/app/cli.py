@@ -16,14 +16,16 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import datetime
 import fcntl
 import gc
 import os
 import re
 import signal
 import sys
+import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
@@ -85,6 +87,12 @@ def parser() -> argparse.ArgumentParser:
         "--addresses", required=True, help="YAML file mapping node names to tcp://host:port"
     )
     peer.add_argument("--out", required=True, help="output directory (writes peers/NAME/)")
+    peer.add_argument(
+        "--start-at",
+        metavar="TIME",
+        help="start every node's clock at this wall-clock time, the same on every host: Unix "
+        "seconds or ISO 8601 with a time zone (2026-11-26T09:30:00Z); within the next 24 h",
+    )
 
     keys = sub.add_parser("keys", help="make CURVE key pairs for transport.curve_keys")
     keys.add_argument("directory", help="where to write NAME.key and NAME.key_secret")
@@ -517,11 +525,43 @@ def _peer(args: argparse.Namespace) -> int:
     except ConfigError as e:
         e.file = e.file or args.experiment
         raise
+    start_at = None if args.start_at is None else _start_at(args.start_at)
     out = output_dir(args.out)
     with launcher.claimed(setup, nodes, out):
         if len(nodes) == 1:
-            return launcher.run_peer(setup, nodes[0], out, addresses)
-        return launcher.wait_nodes(launcher.fork_nodes(setup, nodes, out, addresses), setup, out)
+            return launcher.run_peer(setup, nodes[0], out, addresses, start_at=start_at)
+        procs = launcher.fork_nodes(setup, nodes, out, addresses, start_at=start_at)
+        return launcher.wait_nodes(procs, setup, out)
+
+
+MAX_START_WAIT_S = 86_400.0
+"""How far ahead ``--start-at`` may lie (a day): further is a typo (milliseconds, a year)."""
+
+
+def _start_at(text: str) -> float:
+    """``--start-at``: Unix seconds, or an ISO 8601 time with its zone; in the next day."""
+    when = None
+    try:
+        at = float(text)
+    except ValueError:
+        with suppress(ValueError):
+            when = datetime.datetime.fromisoformat(text)
+        if when is None:
+            raise ConfigError(
+                "--start-at", f"{text!r} is neither Unix seconds nor an ISO 8601 time"
+            ) from None
+        if when.tzinfo is None:
+            raise ConfigError("--start-at", f"{text!r} has no time zone: add Z or +HH:MM") from None
+        at = when.timestamp()
+    if at != at or abs(at) == float("inf"):
+        raise ConfigError("--start-at", f"{text!r} is not a time")
+    ahead = at - time.time()
+    if not 0 < ahead <= MAX_START_WAIT_S:
+        when_s = "passed" if ahead <= 0 else "more than a day ahead"
+        raise ConfigError(
+            "--start-at", f"{text} is {when_s} ({ahead:+.0f} s): give a time in the next 24 h"
+        )
+    return at
 
 
 def cmd_keys(args: argparse.Namespace) -> int:

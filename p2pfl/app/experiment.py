@@ -161,6 +161,8 @@ def run(
             )  # fmt: skip
             if outcome.startup_s is not None:
                 summary["startup_wall_s"] = outcome.startup_s
+            if outcome.start_spread_s is not None:
+                summary["start_spread_s"] = outcome.start_spread_s
             if setup.network is not None:
                 save_availability(setup.network, clock, out)
         summary |= _results(setup, finals, clock, reporters, ranks)

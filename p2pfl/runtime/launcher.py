@@ -57,6 +57,7 @@ class Outcome:
     elapsed_s: float
     comm: dict[str, Any]
     startup_s: float | None = None  # from launch until every node was up (a launcher's run)
+    start_spread_s: float | None = None  # latest node's clock start - earliest (p2pfl merge)
 
 
 @dataclass
@@ -133,8 +134,10 @@ def run_peer(
     out: Path,
     addresses: dict[int, str] | None = None,
     coordinator: str | None = None,
+    start_at: float | None = None,
 ) -> int:
-    """Run one node; write ``out/peers/NAME/``; return the process exit code."""
+    """Run one node; write ``out/peers/NAME/``; return the process exit code. ``start_at``:
+    the wall-clock time (Unix seconds) at which its clock starts, the same on every host."""
     transport = TransportConfig(**setup.config["transport"])
     name = setup.topology.name(node)
     mine = out / "peers" / name
@@ -160,6 +163,9 @@ def run_peer(
             assert addresses is not None
             zn.bind(addresses[node])
         zn.connect(addresses)
+        if start_at is not None:  # every host's nodes start their clocks together
+            time.sleep(max(0.0, start_at - time.time()))
+            zn.t0, started = start_at, time.monotonic()
         finish = zn.run(setup.behaviour(setup.contexts()[node]))
         if finish.state is not None:
             (mine / "final.bin").write_bytes(encode(Message("model", node, node, 0, finish.state)))
@@ -176,7 +182,7 @@ def run_peer(
     finally:
         result |= {
             "rejected_frames": zn.rejected, "compute_wall_s": setup.trainer.busy_s,
-            "elapsed_s": time.monotonic() - started,
+            "elapsed_s": time.monotonic() - started, "t0": zn.t0,
         }  # fmt: skip
         (mine / "result.json").write_text(json.dumps(result, indent=2) + "\n")
         metrics.close()
@@ -208,6 +214,7 @@ def fork_nodes(
     out: Path,
     addresses: dict[int, str] | None = None,
     coordinator: str | None = None,
+    start_at: float | None = None,
 ) -> dict[int, Forked]:
     """One process per node of ``nodes``, forked from this one (which has built ``setup``),
     each running :func:`run_peer` with one torch thread, as ``p2pfl NAME`` in ``ps``."""
@@ -217,7 +224,7 @@ def fork_nodes(
     procs: dict[int, Forked] = {}
     try:
         for n in nodes:
-            main = partial(run_peer, setup, n, out, addresses, coordinator)
+            main = partial(run_peer, setup, n, out, addresses, coordinator, start_at)
             procs[n] = Forked(main, f"p2pfl {setup.topology.name(n)}")
         return procs
     except BaseException:  # a fork that failed (a process limit) or Ctrl-C: none is left
@@ -347,7 +354,9 @@ def gather(setup: Setup, out: Path, files: NodeFiles, reporters: Reporter) -> Ou
             raise RunError(f"peer {name} failed: {result.get('error', 'no reason given')}")
     comm = _merge(out, files, setup, reporters)
     elapsed = max(float(r.get("elapsed_s", 0.0)) for r in files.results.values())
-    return Outcome(*_collect(out, files, setup), elapsed, comm)
+    starts = [float(r["t0"]) for r in files.results.values() if "t0" in r]
+    spread = max(starts) - min(starts) if len(starts) == len(files.results) else None
+    return Outcome(*_collect(out, files, setup), elapsed, comm, start_spread_s=spread)
 
 
 def _gather_hellos(ctl, procs, out: Path, setup: Setup, transport: TransportConfig):
