@@ -315,7 +315,9 @@ def _train_group(
                 for name, v in final.items():
                     v[done:k] = stacked[name][done:k]
             best.after(t, params)
-    host = {k: v.to("cpu") for k, v in final.items()}  # one copy per tensor, not per peer
+    # one copy per tensor, not per peer; none where every peer kept a best_val state
+    last = any(state is None for state in best.states)
+    host = {k: v.to("cpu") for k, v in final.items()} if last else {}
     trained = [
         (best.states[i] or {k: v[i].clone() for k, v in host.items()}, best.acc[i])
         for i in range(len(jobs))
