@@ -119,13 +119,13 @@ def side_by_side(
             acc_loop - acc_batched]  # fmt: skip
 
 
-def gemm_bound(setup: Setup, loop_s: float, peers: int, batch: int = 32) -> dict[str, Any]:
+def gemm_bound(setup: Setup, loop_s: float, peers: int, cfg: TrainConfig) -> dict[str, Any]:
     """The most any batching can gain on this CPU for the LeNet loop: a training step's
     matrix products (each layer's forward, weight and input gradients, none for the input
     itself, convolutions as im2col products) for ``peers`` peers as ``torch.bmm`` calls,
     each in its faster orientation, timed; nothing else of a step (im2col itself, pooling,
     activations, the loss, the update) is counted. Scaled to the loop's samples."""
-    module = setup.trainer.module(CPU)
+    module, batch = setup.trainer.module(CPU), cfg.batch_size
     shapes: list[tuple[int, int, int, bool]] = []  # (rows, inner, cols, first layer)
 
     def hook(m: torch.nn.Module, _: tuple, out: torch.Tensor) -> None:
@@ -153,7 +153,8 @@ def gemm_bound(setup: Setup, loop_s: float, peers: int, batch: int = 32) -> dict
         each.append({"m": m, "k": k, "n": n, "gflops": 2.0 * peers * m * k * n / seconds / 1e9})
     a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
     mm_rate = 2 * 2048**3 / _median_s(lambda: torch.mm(a, b))
-    steps = sum(p.num_train for p in setup.data.peers) / batch / peers  # the loop's, in steps
+    samples = cfg.epochs * sum(p.num_train for p in setup.data.peers)
+    steps = samples / batch / peers  # the loop's work, in steps of the whole group
     return {"loop_s": loop_s, "gemm_s": step_s * steps, "gemm_gflops": flop / step_s / 1e9,
             "mm_gflops": mm_rate / 1e9, "most_speedup": loop_s / (step_s * steps),
             "products": each}  # fmt: skip
@@ -220,7 +221,7 @@ def main() -> None:
         rows.append(["lenet, momentum 0.9, torch.func", args.peers,
                      *side_by_side(setup, pool, sgd, args.repeats, device)])  # fmt: skip
         if device == CPU:
-            extra["lenet_bound"] = gemm_bound(setup, rows[-1][2], args.peers)
+            extra["lenet_bound"] = gemm_bound(setup, rows[-1][2], args.peers, sgd)
         on_gpu = {"batched alone": (False, True), "neither": (False, False)}
         for side, graphs in on_gpu.items() if device.type == "cuda" else ():
             row = side_by_side(setup, pool, sgd, args.repeats, device, False, graphs)

@@ -114,7 +114,7 @@ def test_the_plain_method_deadlocks_under_churn_and_the_deadline_variant_complet
     """The deadlock names what the network did not deliver to the waiting server and the way
     out; the deadline variant completes."""
     lossy = {"links": {"loss": 0.5}}
-    told = r"deadlock: .*undelivered to the waiting: [1-9]\d* lost; give the algorithm"
+    told = r"deadlock: .*undelivered to the waiting, over the run: [1-9]\d* lost; give the alg"
     with pytest.raises(Exception, match=told):
         run_experiment(
             tmp_path / "plain", algorithm=FEDAVG_DEADLINE | {"deadline_s": None}, network=lossy

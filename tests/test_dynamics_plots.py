@@ -87,7 +87,8 @@ def test_the_mean_over_runs_is_the_mean_of_their_counts(churned):
     """A line of several runs: at every time, the mean of the runs' counts."""
     one = plots.read_run(churned)
     shifted = plots.Run(one.path, one.config, one.metrics, one.comm,
-                        [(p, a + 0.3, b + 0.3) for p, a, b in one.availability or []])  # fmt: skip
+                        [(p, a + 0.3, b + 0.3) for p, a, b in one.availability or []],
+                        summary=one.summary)  # fmt: skip
     times, mean = plots.online_curve([one, shifted])
     for t, m in zip(times[:-1], mean[:-1], strict=True):
         counts = [

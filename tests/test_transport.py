@@ -616,14 +616,43 @@ def test_hosts_started_apart_share_one_clock_with_start_at(tmp_path):
         time.sleep(2)
     assert [p.wait(timeout=300) for p in procs] == [0, 0]
     results = [json.loads((tmp_path / f"run/peers/{i}/result.json").read_text()) for i in range(4)]
-    assert [r["t0"] for r in results] == [start] * 4
+    assert [(r["t0"], r["late_s"]) for r in results] == [(start, 0.0)] * 4
     assert time.time() - start > max(r["elapsed_s"] for r in results)  # timed from the start
+    for i in range(4):  # host A's nodes, on a clock of their own, would wait 2 s for B's
+        rows = (tmp_path / f"run/peers/{i}/comm.csv").read_text().splitlines()[1:]
+        assert 0 <= min(float(r.split(",")[-1]) for r in rows) < 1.5, rows
     assert main(["merge", str(tmp_path / "run")]) == 0
     real = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert real["status"] == "ok" and real["start_spread_s"] == 0.0
     assert main(["run", str(path), "--out", str(tmp_path / "sim"), "--quiet"]) == 0
     sim = json.loads((tmp_path / "sim" / "summary.json").read_text())
     assert real["final"] == sim["final"]
+
+
+def test_a_host_ready_after_its_start_time_says_so(tmp_path, capfd):
+    """A start time that passed while the nodes were built: they run at once, on the shared
+    clock, and say how late they were (stderr, result.json, the merge's start_spread_s)."""
+    from p2pfl.app.cli import main
+    from p2pfl.runtime import launcher
+    from p2pfl.runtime.children import free_port
+
+    setup = build(
+        experiment(
+            topology={"kind": "ring"}, algorithm={"name": "dfedavgm", "rounds": 1},
+            transport={"timeout_s": TIMEOUT},
+        )
+    )  # fmt: skip
+    addresses = {i: f"tcp://127.0.0.1:{free_port()}" for i in range(4)}
+    out, nodes = tmp_path / "run", [0, 1, 2, 3]
+    with launcher.claimed(setup, nodes, out):
+        procs = launcher.fork_nodes(setup, nodes, out, addresses, start_at=time.time() - 1)
+        assert launcher.wait_nodes(procs, setup, out) == 0
+    assert capfd.readouterr().err.count("s after --start-at") == 4
+    late = [json.loads((out / f"peers/{i}/result.json").read_text())["late_s"] for i in nodes]
+    assert all(s >= 1 for s in late)
+    assert main(["merge", str(out)]) == 0
+    spread = json.loads((out / "summary.json").read_text())["start_spread_s"]
+    assert spread == pytest.approx(max(late) - min(late))
 
 
 @pytest.mark.parametrize(

@@ -516,6 +516,7 @@ def _peer(args: argparse.Namespace) -> int:
     from p2pfl.runtime import launcher
     from p2pfl.runtime.sockets import TransportConfig, check_curve_keys
 
+    start_at = None if args.start_at is None else _start_at(args.start_at)
     setup = _setup(args)
     nodes = launcher.node_ids(setup, args.peer)
     addresses = launcher.read_addresses(Path(args.addresses), setup)
@@ -525,7 +526,6 @@ def _peer(args: argparse.Namespace) -> int:
     except ConfigError as e:
         e.file = e.file or args.experiment
         raise
-    start_at = None if args.start_at is None else _start_at(args.start_at)
     out = output_dir(args.out)
     with launcher.claimed(setup, nodes, out):
         if len(nodes) == 1:

@@ -12,8 +12,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import itertools
-import json
-import math
 import os
 import shutil
 import subprocess
@@ -26,6 +24,7 @@ import torch
 import yaml
 
 from p2pfl.core.errors import ConfigError, RunError, TopologyMisfit
+from p2pfl.core.json_io import write_json
 from p2pfl.core.seeding import derive_seed
 from p2pfl.data.datasets import load_dataset
 from p2pfl.data.federated import make_federated_data
@@ -235,24 +234,6 @@ def _wait(figure: Forked | None) -> int:
     except subprocess.TimeoutExpired:
         figure.kill()
         return figure.wait()
-
-
-def strict(value: Any) -> Any:
-    """``value`` with every NaN or infinite float replaced by None (JSON has neither)."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: strict(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [strict(v) for v in value]
-    return value
-
-
-def write_json(path: Path, value: Any) -> None:
-    """Write strict JSON atomically (a reader never sees half a file)."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(strict(value), indent=2, allow_nan=False) + "\n")
-    os.replace(tmp, path)
 
 
 def _simulate(

@@ -35,6 +35,7 @@ import yaml
 import zmq
 
 from p2pfl.core.errors import ConfigError, RunError
+from p2pfl.core.json_io import write_json
 from p2pfl.core.yaml_io import read_yaml
 from p2pfl.learning.training import optimizer
 from p2pfl.methods.effects import Finish
@@ -57,7 +58,7 @@ class Outcome:
     elapsed_s: float
     comm: dict[str, Any]
     startup_s: float | None = None  # from launch until every node was up (a launcher's run)
-    start_spread_s: float | None = None  # latest node's clock start - earliest (p2pfl merge)
+    start_spread_s: float | None = None  # latest node's first step - earliest (p2pfl merge)
 
 
 @dataclass
@@ -164,8 +165,11 @@ def run_peer(
             zn.bind(addresses[node])
         zn.connect(addresses)
         if start_at is not None:  # every host's nodes start their clocks together
-            time.sleep(max(0.0, start_at - time.time()))
-            zn.t0, started = start_at, time.monotonic()
+            late = time.time() - start_at
+            if late > 0:  # its clock has run since then: its first step is at t = late
+                sys.stderr.write(f"warning: peer {name}: ready {late:.1f} s after --start-at\n")
+            time.sleep(max(0.0, -late))
+            zn.t0, started, result["late_s"] = start_at, time.monotonic(), max(0.0, late)
         finish = zn.run(setup.behaviour(setup.contexts()[node]))
         if finish.state is not None:
             (mine / "final.bin").write_bytes(encode(Message("model", node, node, 0, finish.state)))
@@ -184,7 +188,7 @@ def run_peer(
             "rejected_frames": zn.rejected, "compute_wall_s": setup.trainer.busy_s,
             "elapsed_s": time.monotonic() - started, "t0": zn.t0,
         }  # fmt: skip
-        (mine / "result.json").write_text(json.dumps(result, indent=2) + "\n")
+        write_json(mine / "result.json", result)  # whole, even if this process is killed
         metrics.close()
         ledger.close()
         zn.close(abort=result["status"] == "failed")
@@ -324,6 +328,7 @@ def launch(setup: Setup, out: Path, reporters: Reporter) -> Outcome:
     procs: dict[int, Forked] = {}
     start = time.monotonic()
     startup_s = None
+    failed = True
     try:
         with claimed(setup, nodes, out):
             warm_up(setup, forks=True)  # once, here: every node inherits it
@@ -335,26 +340,32 @@ def launch(setup: Setup, out: Path, reporters: Reporter) -> Outcome:
             for ident, _ in addresses.values():
                 ctl.send_multipart([ident, json.dumps({"addresses": table, "t0": t0}).encode()])
             _watch(procs, out, setup, t0)
+        failed = False
     finally:
         stop(procs.values(), STOP_GRACE_S)
         ctl.close()
         context.term()
-        files = read_nodes(out, setup)
-        comm = _merge(out, files, setup, reporters)
+        try:  # the rows written until the end, also of a run that failed
+            files = read_nodes(out, setup)
+            comm = _merge(out, files, setup, reporters)
+        except RunError:
+            if not failed:  # else the run's own error is the one to report
+                raise
     return Outcome(*_collect(out, files, setup), time.monotonic() - start, comm, startup_s)
 
 
 def gather(setup: Setup, out: Path, files: NodeFiles, reporters: Reporter) -> Outcome:
     """The outcome of a run whose nodes ran elsewhere (``p2pfl peer`` on several hosts),
-    their ``peers/NAME/`` directories copied into ``out`` and read (``files``): merged as the
-    launcher merges its own. Its elapsed time is the longest node's, from start to end."""
+    their ``peers/NAME/`` directories copied into ``out`` and read (``files``, with every
+    node's result: ``p2pfl merge`` checks that first): merged as the launcher merges its own.
+    Its elapsed time is the longest node's, from start to end."""
     for n, result in files.results.items():
         if result["status"] == "failed":
             name = setup.topology.name(n)
             raise RunError(f"peer {name} failed: {result.get('error', 'no reason given')}")
     comm = _merge(out, files, setup, reporters)
     elapsed = max(float(r.get("elapsed_s", 0.0)) for r in files.results.values())
-    starts = [float(r["t0"]) for r in files.results.values() if "t0" in r]
+    starts = [float(r["t0"]) + r.get("late_s", 0.0) for r in files.results.values() if "t0" in r]
     spread = max(starts) - min(starts) if len(starts) == len(files.results) else None
     return Outcome(*_collect(out, files, setup), elapsed, comm, start_spread_s=spread)
 
@@ -461,6 +472,9 @@ def read_result(mine: Path) -> dict[str, Any]:
         raise RunError(f"{path}: not a node's result ({e})") from None
     if not isinstance(result, dict) or result.get("status") not in ("ok", "crashed", "failed"):
         raise RunError(f"{path}: not a node's result (no status ok, crashed or failed)")
+    for key in ("t0", "late_s", "elapsed_s"):
+        if key in result and (type(result[key]) not in (int, float) or result[key] != result[key]):
+            raise RunError(f"{path}: not a node's result ({key} is not a number)")
     finished = isinstance(result.get("output"), bool) and isinstance(result.get("baselines"), dict)
     if result["status"] != "failed" and not finished:
         raise RunError(f"{path}: not a node's result (no output or baselines)")

@@ -189,8 +189,8 @@ class SimRuntime:
         return (
             " (with a network: section a wait without a deadline can last for ever: a message "
             "lost, sent while its receiver was offline, or never sent by a peer that took its "
-            f"receiver for offline; undelivered to the waiting: {told}; give the algorithm "
-            "its deadline, e.g. wait_s or deadline_s)"
+            f"receiver for offline; undelivered to the waiting, over the run: {told}; give the "
+            "algorithm its deadline, e.g. wait_s or deadline_s)"
         )
 
     def _describe(self, node: int) -> str:
@@ -394,6 +394,9 @@ class SimRuntime:
     def _record(self, msg: Message, size: int, sent: float, at: float, fate: str) -> None:
         name = self.topology.name
         self.ledger.record(sent, msg.round, name(msg.src), name(msg.dst), msg.kind, size, at, fate)
+        if fate != "delivered":
+            dropped = self.dropped.setdefault(msg.dst, {})
+            dropped[fate] = dropped.get(fate, 0) + 1
 
     def _arrive(self, msg: Message, size: int, sent: float, lost: bool) -> None:
         src, dst, now = msg.src, msg.dst, self.env.now
@@ -404,8 +407,6 @@ class SimRuntime:
             fate = self.network.fate(src, dst, sent, now, lost)
             self._record(msg, size, sent, now, fate)
             if fate != "delivered":
-                dropped = self.dropped.setdefault(dst, {})
-                dropped[fate] = dropped.get(fate, 0) + 1
                 return
         self.inbox[dst].append(msg)
         recv = self.waiting.get(dst)
