@@ -452,7 +452,8 @@ def test_a_multi_host_run_merged_has_the_outputs_of_a_launcher_run(tmp_path, cap
     config.write_text((merged / "peers" / "2" / "config.yaml").read_text())
     result = merged / "peers" / "1" / "result.json"
     kept = result.read_text()
-    for garbage in ("garbage{", "[]", '{"status": "ok"}'):
+    spoilt_t0 = '{"status": "ok", "output": true, "baselines": {}, "t0": "noon"}'
+    for garbage in ("garbage{", "[]", '{"status": "ok"}', spoilt_t0):
         result.write_text(garbage)
         assert main(["merge", str(merged), "--force"]) == 2
         err = capsys.readouterr().err
