@@ -60,6 +60,10 @@ SAME_AS_SIM = {
         "algorithm": {"name": "dfedavgm", "rounds": 2},
         "train": {"epochs": 1, "batch_size": 8, "lr": 0.05, "momentum": 0.9},
     },
+    "pushsum-robust-ring": {  # running sums: each link's totals, kept across rounds
+        "topology": {"kind": "ring"},
+        "algorithm": {"name": "pushsum", "rounds": 3, "robust": True},
+    },
     "fedfisher-mesh-compressed": {  # uploads under the int16 codec that Send names
         "topology": {"kind": "mesh"},
         "algorithm": {"name": "fedfisher", "placement": "mesh", "compress": True, "steps": 20},

@@ -19,6 +19,18 @@ its mass with it: the weights decay, and since a step on z changes x by Δ, z th
 share that comes after its round's receive (its sender was held up, or was online when its
 receiver took it for offline) is added at the next receive, as SGP adds whatever has
 arrived; only shares that come after the last round's receive are left.
+
+``robust: true`` sends running sums instead of shares (Hadjicostis, Domínguez-García and
+Vaidya, "Robust distributed average consensus via exchange of running sums", IEEE TAC 2016,
+§III): peer i adds each share it pushes to j to the running totals (σ_ij, τ_ij) of all it has
+ever pushed to j, and sends those; j adds the difference from the last totals it took from i
+(a running sum older than that one is already in it, and is dropped). A lost share is then
+not lost for good: the next message on the same link that gets through carries it. Only
+mass pushed on a link that never delivers again is lost. Messages have the same size; without
+losses the models equal plain push-sum's to float rounding (the running sums are float32, so
+each difference rounds). Each peer keeps a pair of running sums per link it has used, a model
+each.
+
 Only floating tensors are push-summed; other buffers stay the peer's own. The result
 is the mean of the peers' z_i.
 """
@@ -52,6 +64,11 @@ def scaled(state: State, factor: float) -> State:
     return {k: v * factor if v.is_floating_point() else v for k, v in state.items()}
 
 
+def plus(a: State, b: State, sign: int = 1) -> State:
+    """``a + sign·b`` on the floating tensors (the others as in ``a``)."""
+    return {k: v.add(b[k], alpha=sign) if v.is_floating_point() else v for k, v in a.items()}
+
+
 def weight_meta(w: float) -> dict[str, str]:
     """The push-sum weight as exact fixed-width text, so every share costs the same bytes."""
     return {"weight": f"{w:.17e}"}
@@ -71,6 +88,7 @@ class PushSum(Method):
 
     rounds: int = 20
     wait_s: float | None = None
+    robust: bool = False
 
     def __post_init__(self) -> None:
         if self.rounds < 1:
@@ -83,6 +101,8 @@ class PushSum(Method):
 
     def behaviour(self, ctx: NodeContext) -> Behaviour:
         x, w = ctx.init_state(), 1.0
+        pushed: dict[int, tuple[State, float]] = {}  # robust: (σ_ij, τ_ij) per out-neighbour j
+        taken: dict[int, tuple[int, State, float]] = {}  # robust: k's last (round, σ, τ) added
         for r in range(1, self.rounds + 1):
             z = scaled(x, 1 / w)
             trained = (yield Train(z, r)).state
@@ -94,14 +114,26 @@ class PushSum(Method):
             share = 1.0 / (len(out) + 1)
             x, w = scaled(x, share), w * share
             for j in out:
-                yield Send(j, "model", r, x, weight_meta(w))
+                sigma, tau = x, w
+                if self.robust:  # the running totals of all pushed to j, this share included
+                    if j in pushed:
+                        sigma, tau = plus(pushed[j][0], x), pushed[j][1] + w
+                    pushed[j] = sigma, tau
+                yield Send(j, "model", r, sigma, weight_meta(tau))
             deadline = None if self.wait_s is None else (yield Now()) + self.wait_s
             msgs = yield Recv(count=len(incoming), round=r, deadline=deadline)
             if deadline is not None:  # shares that came after their round's receive, or extra
                 msgs += yield Recv(count=LATE, before=r + 1, deadline=(yield Now()))
             for m in msgs:
-                x = {k: v + m.tensors[k] if v.is_floating_point() else v for k, v in x.items()}
-                w += float(m.meta["weight"])
+                dx, dw = m.tensors, float(m.meta["weight"])
+                if self.robust:  # what k pushed since the running sums last taken from it
+                    last = taken.get(m.src)
+                    if last is not None and last[0] >= m.round:
+                        continue  # an older running sum: already in the last one taken
+                    taken[m.src] = (m.round, dx, dw)
+                    if last is not None:
+                        dx, dw = plus(dx, last[1], -1), dw - last[2]
+                x, w = plus(x, dx), w + dw
             yield Evaluate(scaled(x, 1 / w), r)
         yield Finish(scaled(x, 1 / w))
 
