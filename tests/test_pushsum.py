@@ -105,10 +105,11 @@ def test_late_shares_are_added_at_the_next_receive(tmp_path, monkeypatch, networ
 
 
 def test_running_sums_recover_lost_shares_with_the_same_messages(tmp_path):
-    """``robust: true`` (running sums, Hadjicostis et al. 2016): the same messages of the
-    same sizes meet the same fates (comm.csv byte for byte), but a lost share reaches its
-    receiver with the next message on that link, so push-sum no longer collapses at 20 %
-    loss; on links that deliver it equals plain push-sum to float rounding."""
+    """``robust: true`` (running sums; Hadjicostis, Vaidya and Domínguez-García 2016): the
+    same messages of the same sizes meet the same fates (comm.csv byte for byte), but a lost
+    share reaches its receiver with the next message on that link, so push-sum no longer
+    collapses at 20 % loss; on links that deliver it equals plain push-sum to float
+    rounding."""
     base = {
         "partition": {"name": "iid"},
         "topology": {"kind": "mesh"},

@@ -20,16 +20,16 @@ share that comes after its round's receive (its sender was held up, or was onlin
 receiver took it for offline) is added at the next receive, as SGP adds whatever has
 arrived; only shares that come after the last round's receive are left.
 
-``robust: true`` sends running sums instead of shares (Hadjicostis, Domínguez-García and
-Vaidya, "Robust distributed average consensus via exchange of running sums", IEEE TAC 2016,
-§III): peer i adds each share it pushes to j to the running totals (σ_ij, τ_ij) of all it has
-ever pushed to j, and sends those; j adds the difference from the last totals it took from i
-(a running sum older than that one is already in it, and is dropped). A lost share is then
-not lost for good: the next message on the same link that gets through carries it. Only
-mass pushed on a link that never delivers again is lost. Messages have the same size; without
-losses the models equal plain push-sum's to float rounding (the running sums are float32, so
-each difference rounds). Each peer keeps a pair of running sums per link it has used, a model
-each.
+``robust: true`` sends running sums instead of shares (Hadjicostis, Vaidya and
+Domínguez-García, "Robust distributed average consensus via exchange of running sums", IEEE
+TAC 61(6), 2016, for fixed digraphs): peer i adds each share it pushes to j to the running
+totals (σ_ij, τ_ij) of all it has ever pushed to j, and sends those; j adds the difference
+from the last totals it took from i (a running sum older than that one is already in it, and
+is dropped). A lost share is then not lost for good: the next message on the same link that
+gets through carries it. Only mass pushed on a link that never delivers again is lost.
+Messages have the same size; without losses the models equal plain push-sum's to float
+rounding (the running sums are float32, so each difference rounds). Each peer keeps a pair
+of running sums per link it has used, a model each.
 
 Only floating tensors are push-summed; other buffers stay the peer's own. The result
 is the mean of the peers' z_i.
