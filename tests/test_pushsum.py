@@ -136,17 +136,20 @@ def test_running_sums_recover_lost_shares_with_the_same_messages(tmp_path):
 
 def test_running_sums_are_sent_and_an_older_one_taken_late_is_dropped():
     """Node 0 of a ring, driven effect by effect (its trainings change nothing): it sends
-    the running totals of its shares (τ 0.5, then 0.75, where plain push-sum sends 0.25);
-    its round-1 message from 1 was lost, the round-2 one carries both rounds' mass, and the
-    round-1 one, coming late, is already in it: adding it again would leave z = 4/3."""
+    the running totals of its shares (τ 0.5, 0.75, 1.375, where plain push-sum sends 0.25
+    and 0.3125 after the first); its round-1 message from 1 was lost, the round-2 one
+    carries both rounds' mass, and the round-1 one, coming late, is already in it (adding it
+    again would leave z = 4/3); round 3 adds only what came since round 2 (the whole total
+    would leave z = 6.5 / 2.125)."""
     topology = build_topology({"kind": "ring"}, 3, 0)
     ctx = NodeContext(0, topology, 10, 0, lambda: {"w": torch.zeros(2)}, frozenset({"w"}))
-    gen = PushSum(rounds=2, wait_s=1.0, robust=True).behaviour(ctx)
+    gen = PushSum(rounds=3, wait_s=1.0, robust=True).behaviour(ctx)
 
     def share(r: int, value: float, weight: float) -> Message:
         return Message("model", 1, 0, r, {"w": torch.full((2,), value)}, weight_meta(weight))
 
-    arrivals = [[], [], [share(2, 3.0, 1.0)], [share(1, 1.0, 0.5)]]  # each Recv's, in turn
+    # each Recv's messages, in turn: a round's receive, then its late one
+    arrivals = [[], [], [share(2, 3.0, 1.0)], [share(1, 1.0, 0.5)], [share(3, 5.0, 1.5)], []]
     sent, scored, reply = [], [], None
     while True:
         eff = gen.send(reply)
@@ -160,6 +163,48 @@ def test_running_sums_are_sent_and_an_older_one_taken_late_is_dropped():
             Send: lambda e: sent.append((e.round, float(e.meta["weight"]))),
             Evaluate: lambda e: scored.append(e.state["w"].tolist()),
         }[type(eff)](eff)
-    assert sent == [(1, 0.5), (2, 0.75)]
+    assert sent == [(1, 0.5), (2, 0.75), (3, 1.375)]
     assert scored[0] == [0.0, 0.0]
     assert scored[1] == pytest.approx([2.4, 2.4], rel=1e-6)  # x = 0 + 3, w = 0.25 + 1.0
+    assert scored[2] == pytest.approx([3.5 / 1.125] * 2, rel=1e-6)  # x = 1.5 + 2, w = 0.625 + 0.5
+
+
+def test_running_sums_conserve_the_weight_under_loss_jitter_and_churn(tmp_path, monkeypatch):
+    """Whatever the network does, every peer's weight plus what is still on the links (each
+    link's total pushed, less the last total its receiver took) sums to N: nothing is lost
+    for good, and nothing is counted twice (jitter reorders messages, so older totals come
+    after newer ones; churn holds senders back)."""
+    ends = {}
+    behaviour = PushSum.behaviour
+
+    def watched(self, ctx):  # the real behaviour; its state read when it yields Finish
+        gen, reply = behaviour(self, ctx), None
+        while True:
+            eff = gen.send(reply)
+            if isinstance(eff, Finish):
+                ends[ctx.node] = {k: gen.gi_frame.f_locals[k] for k in ("w", "pushed", "taken")}
+            reply = yield eff
+            if isinstance(eff, Finish):
+                return
+
+    monkeypatch.setattr(PushSum, "behaviour", watched)
+    jitter = {"dist": "exponential", "mean_s": 0.3}
+    network = {
+        "graph": {"every": "round", "kind": "s_out", "s": 3},
+        "links": {"loss": 0.2, "jitter": jitter},
+        "churn": {"online": {"mean_s": 3.0}, "offline_fraction": 0.25},
+    }
+    summary = run_experiment(
+        tmp_path, partition={"name": "iid"}, topology={"kind": "mesh"}, peers={"count": 12},
+        algorithm={"name": "pushsum", "rounds": 10, "wait_s": 0.5, "robust": True},
+        network=network,
+    )  # fmt: skip
+    assert set(summary["comm"]["by_fate"]) >= {"delivered", "lost", "offline"}
+    assert len(ends) == 12
+    on_links = sum(
+        tau - ends[j]["taken"].get(i, (0, None, 0.0))[2]
+        for i, end in ends.items()
+        for j, (_, tau) in end["pushed"].items()
+    )
+    assert on_links > 0.5  # much is still on the links at 20 % loss
+    assert sum(end["w"] for end in ends.values()) + on_links == pytest.approx(12, abs=1e-9)

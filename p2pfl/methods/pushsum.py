@@ -28,8 +28,10 @@ from the last totals it took from i (a running sum older than that one is alread
 is dropped). A lost share is then not lost for good: the next message on the same link that
 gets through carries it. Only mass pushed on a link that never delivers again is lost.
 Messages have the same size; without losses the models equal plain push-sum's to float
-rounding (the running sums are float32, so each difference rounds). Each peer keeps a pair
-of running sums per link it has used, a model each.
+rounding (the running sums are float32 and grow with the rounds, so each difference rounds).
+The cost is memory: a model for each out-link a peer has pushed on and each in-link it has
+taken from, kept for the run; on a graph redrawn every round (``s_out``) up to 2·s more
+models per peer and round, at most 2·(N − 1).
 
 Only floating tensors are push-summed; other buffers stay the peer's own. The result
 is the mean of the peers' z_i.
@@ -116,8 +118,8 @@ class PushSum(Method):
             for j in out:
                 sigma, tau = x, w
                 if self.robust:  # the running totals of all pushed to j, this share included
-                    if j in pushed:
-                        sigma, tau = plus(pushed[j][0], x), pushed[j][1] + w
+                    if j in pushed:  # x first: its buffers ride along, as plain's do
+                        sigma, tau = plus(x, pushed[j][0]), pushed[j][1] + w
                     pushed[j] = sigma, tau
                 yield Send(j, "model", r, sigma, weight_meta(tau))
             deadline = None if self.wait_s is None else (yield Now()) + self.wait_s
