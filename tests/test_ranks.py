@@ -64,6 +64,17 @@ def spread(exp: Path, out: Path, workers: int) -> int:
     return subprocess.run([sys.executable, "-m", "p2pfl", *argv], cwd=ROOT, timeout=300).returncode
 
 
+def same_on_1_2_and_4(exp: Path, tmp_path: Path, code: int = 0) -> dict[str, Any]:
+    """The outputs of ``exp`` on 1 rank, checked equal on 2 and 4 (each exiting ``code``)."""
+    runs = []
+    for n in (1, 2, 4):
+        out = tmp_path / f"w{n}"
+        assert spread(exp, out, n) == code
+        runs.append(outputs(out))
+    assert runs[1] == runs[0] and runs[2] == runs[0]
+    return runs[0]
+
+
 def test_owners_are_longest_first_to_the_least_loaded_rank():
     assert Ranks(0, 2).owners([5.0, 1.0, 4.0, 2.0]) == [0, 0, 1, 1]
     assert Ranks(1, 3).owners([1.0, 1.0, 1.0, 1.0]) == [0, 1, 2, 0]  # ties: lower rank, job
@@ -106,14 +117,8 @@ def test_each_rank_takes_its_own_gpu(monkeypatch, devices, local_rank, picked):
     "sections", [RING, PROX, ELMY], ids=["dfedavgm", "fedprox-best_val", "fedelmy-pool"]
 )
 def test_world_sizes_1_2_and_4_write_the_same_bytes(tmp_path, sections):
-    exp = exp_file(tmp_path, **sections)
-    runs = {}
-    for n in (1, 2, 4):
-        out = tmp_path / f"w{n}"
-        assert spread(exp, out, n) == 0
-        runs[n] = outputs(out)
-    assert runs[2] == runs[1] and runs[4] == runs[1]
-    rows = runs[1]["metrics.csv"].decode().splitlines()
+    one = same_on_1_2_and_4(exp_file(tmp_path, **sections), tmp_path)
+    rows = one["metrics.csv"].decode().splitlines()
     assert sum(",accuracy," in row for row in rows) > 2  # per-round scores were written
     assert "WORLD_SIZE" not in os.environ  # rank 0's process is given back as it was
 
@@ -123,27 +128,17 @@ def test_a_failed_spread_run_keeps_the_rows_of_one_process(tmp_path):
     flush: rank 0 scores them alone and writes every row, as one process writes them (the
     rows held behind the pending scores were lost)."""
     exp = exp_file(tmp_path, **(RING | {"network": {"links": {"loss": 0.05}}}))
-    runs = {}
-    for n in (1, 2, 4):
-        out = tmp_path / f"w{n}"
-        assert spread(exp, out, n) == 1
-        runs[n] = outputs(out)
-    assert runs[2] == runs[1] and runs[4] == runs[1]
-    assert runs[1]["summary"]["status"] == "failed" and "deadlock" in runs[1]["summary"]["error"]
-    assert b",accuracy," in runs[1]["metrics.csv"]
+    one = same_on_1_2_and_4(exp, tmp_path, code=1)
+    assert one["summary"]["status"] == "failed" and "deadlock" in one["summary"]["error"]
+    assert b",accuracy," in one["metrics.csv"]
 
 
 def test_workers_and_batching_compose_to_the_same_bytes(tmp_path):
     """The batched groups are formed before the trainings are split over the ranks, and go
     whole to one of them: the same bits on 1, 2 and 4 ranks (a rank that got a group's
     only member of its share trained it one by one, so the last digits moved)."""
-    exp = exp_file(tmp_path, **(RING | {"peers": {"count": 6, "batched": True}}))
-    runs = {}
-    for n in (1, 2, 4):
-        out = tmp_path / f"w{n}"
-        assert spread(exp, out, n) == 0
-        runs[n] = outputs(out)
-    assert runs[2] == runs[1] and runs[4] == runs[1]
+    batched = RING | {"peers": {"count": 6, "batched": True}}
+    same_on_1_2_and_4(exp_file(tmp_path, **batched), tmp_path)
 
 
 def test_torchrun_starts_the_same_run_on_loopback(tmp_path):
