@@ -179,6 +179,13 @@ def _hand_written(module: nn.Module, cfg: TrainConfig, regularizer: Regularizer 
     return cfg.optimizer == "sgd" and regularizer is None and mlp_layers(module) is not None
 
 
+def divisible(module: nn.Module, cfg: TrainConfig, device: torch.device) -> bool:
+    """Whether a group of jobs may be trained in any parts with the same bits: on the
+    hand-written MLP path on a CPU a peer's result does not depend on which peers share its
+    call, nor how many (tested down to one), so ranks can each batch a share of a group."""
+    return device.type == "cpu" and _hand_written(module, cfg, None)
+
+
 def supports(module: nn.Module, cfg: TrainConfig, regularizer: Regularizer | None) -> bool:
     """Whether a runtime should train ``module`` batched: where it pays. On a CPU that is
     the hand-written MLP path only: the ``torch.func`` path ran at 0.73-0.96x the loop for

@@ -151,9 +151,10 @@ class Worker:
     def train_many(self, jobs: list[tuple[int, Train]]) -> list[TrainResult]:
         """Run deferred trainings (see :meth:`batchable_seconds`); over several ranks, each
         trains its share and every rank gets every result. The batched groups are formed
-        before the split and go whole to one rank: a training's bits never depend on the
-        number of ranks."""
-        units = self._units(jobs)
+        before the split and go whole to one rank, unless a peer's bits do not depend on its
+        group (:func:`batched.divisible`): then each rank batches its share of the group.
+        Either way a training's bits never depend on the number of ranks."""
+        units = self._units(jobs, divide=self.ranks is not None)
         if self.ranks is None:
             done = self._train_units(jobs, units)
             return [done[i] for i in range(len(jobs))]
@@ -169,10 +170,14 @@ class Worker:
         starts = [eff.state for _, eff in jobs]
         return self.ranks.exchange(starts, owner, self._train_units(jobs, mine))
 
-    def _units(self, jobs: list[tuple[int, Train]]) -> list[tuple[_Group | None, list[int]]]:
+    def _units(
+        self, jobs: list[tuple[int, Train]], divide: bool = False
+    ) -> list[tuple[_Group | None, list[int]]]:
         """The jobs in units of work: with ``peers.batched``, those sharing a config, a
         device and a proximal term's ``mu`` form one batched group (of two or more); every
-        other job is a unit of its own (``None``: trained one by one)."""
+        other job is a unit of its own (``None``: trained one by one). ``divide``: a group
+        that :func:`batched.divisible` allows is one unit per member, still batched, for
+        ranks to share (each rank's members of a group train as one call)."""
         groups: dict[_Group, list[int]] = {}
         alone: list[tuple[_Group | None, list[int]]] = []
         for i, (node, eff) in enumerate(jobs):
@@ -182,9 +187,16 @@ class Worker:
                 groups.setdefault(key, []).append(i)
             else:
                 alone.append((None, [i]))
-        units: list[tuple[_Group | None, list[int]]] = [
-            (key, m) for key, m in groups.items() if len(m) > 1
-        ]
+        units: list[tuple[_Group | None, list[int]]] = []
+        for key, m in groups.items():
+            cfg, device, mu = key
+            if len(m) < 2:
+                continue
+            whole = not divide or mu is not None
+            if whole or not batched.divisible(self.trainer.module(device), cfg, device):
+                units.append((key, m))
+            else:
+                units += [(key, [i]) for i in m]
         alone += [(None, m) for m in groups.values() if len(m) == 1]
         return units + sorted(alone, key=lambda unit: unit[1][0])
 
@@ -194,7 +206,11 @@ class Worker:
         """Each unit's results by job index: a group as one batched computation, unless its
         loss is not finite somewhere (``batched.NonFinite``: then one by one, as a single)."""
         results: dict[int, TrainResult] = {}
+        together: dict[_Group, list[int]] = {}  # a divided group's members here: one call
         for key, members in units:
+            if key is not None:
+                together.setdefault(key, []).extend(members)
+        for key, members in [*together.items(), *(u for u in units if u[0] is None)]:
             if key is not None:
                 results |= self._train_group(jobs, key, members)
             for i in members:
