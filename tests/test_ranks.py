@@ -23,6 +23,7 @@ from p2pfl.app.experiment import build
 from p2pfl.core.errors import RunError
 from p2pfl.runtime.children import free_port
 from p2pfl.runtime.ranks import Ranks
+from p2pfl.runtime.worker import Worker
 
 RING = {
     "topology": {"kind": "ring"},
@@ -139,6 +140,28 @@ def test_workers_and_batching_compose_to_the_same_bytes(tmp_path):
     only member of its share trained it one by one, so the last digits moved)."""
     batched = RING | {"peers": {"count": 6, "batched": True}}
     same_on_1_2_and_4(exp_file(tmp_path, **batched), tmp_path)
+
+
+def test_ranks_share_a_batched_mlp_group(tmp_path, monkeypatch):
+    """On a CPU a peer's bits on the hand-written MLP path do not depend on its group, so the
+    ranks share each flush's group (rank 0 batches part of every one, in one call) instead
+    of one rank training it whole while the other waits; the bytes are one process's."""
+    if torch.cuda.device_count():
+        pytest.skip("on a GPU host the ranks run in fresh processes, and groups stay whole")
+    sizes: list[int] = []
+    train_group = Worker._train_group
+
+    def spy(self, jobs, key, members):  # rank 0's, in this process (the others are forked)
+        sizes.append(len(members))
+        return train_group(self, jobs, key, members)
+
+    monkeypatch.setattr(Worker, "_train_group", spy)
+    exp = exp_file(tmp_path, **(RING | {"peers": {"count": 6, "batched": True}}))
+    assert spread(exp, tmp_path / "w1", 1) == 0
+    whole, sizes[:] = list(sizes), []  # one process: each flush's group whole
+    assert spread(exp, tmp_path / "w2", 2) == 0
+    assert len(sizes) == len(whole) and all(0 < a < b for a, b in zip(sizes, whole, strict=True))
+    assert outputs(tmp_path / "w2") == outputs(tmp_path / "w1")
 
 
 def test_torchrun_starts_the_same_run_on_loopback(tmp_path):
