@@ -19,6 +19,7 @@ import dataclasses
 import datetime
 import fcntl
 import gc
+import math
 import os
 import re
 import signal
@@ -553,7 +554,7 @@ def _start_at(text: str) -> float:
         if when.tzinfo is None:
             raise ConfigError("--start-at", f"{text!r} has no time zone: add Z or +HH:MM") from None
         at = when.timestamp()
-    if at != at or abs(at) == float("inf"):
+    if not math.isfinite(at):
         raise ConfigError("--start-at", f"{text!r} is not a time")
     ahead = at - time.time()
     if not 0 < ahead <= MAX_START_WAIT_S:

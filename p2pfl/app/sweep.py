@@ -188,6 +188,8 @@ def misfits(todo: list[Cell], file: Path, transport: str) -> dict[str, str]:
 def finished(out: Path, config: dict[str, Any]) -> dict[str, Any] | None:
     """The cell's summary if it already ran to the end with exactly this config."""
     summary = ended_well(out)
+    if summary is None:
+        return None
     try:
         same = (out / "config.yaml").read_text() == yaml.safe_dump(config, sort_keys=False)
     except (OSError, ValueError):
