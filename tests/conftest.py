@@ -81,6 +81,23 @@ needs_fmnist = pytest.mark.skipif(
 )
 
 
+def forks_refused() -> bool:
+    """Whether this pytest process has used CUDA (``pytest --device cuda``): autograd refuses
+    to run in a child forked after the parent's CUDA backward passes, so a test that forks
+    must start a fresh process, or skip (the command line forks before any CUDA work)."""
+    return torch.cuda.is_initialized()
+
+
+AFTER_CUDA = "this process ran CUDA: its forked children could not train (run the test alone)"
+
+
+def python_path(*first: Path) -> str:
+    """A child's ``PYTHONPATH``: ``first``, then the suite's own (where it finds its packages
+    through one, as on a machine that runs the suite from a checkout)."""
+    paths = [*map(str, first), *os.environ.get("PYTHONPATH", "").split(os.pathsep)]
+    return os.pathsep.join(filter(None, paths))
+
+
 def peer_pids(launcher: int) -> dict[str, int]:
     """The launcher's peer processes by node name (each shows as ``p2pfl NAME``)."""
     found = subprocess.run(["pgrep", "-P", str(launcher)], capture_output=True, text=True)

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import yaml
 
-from conftest import ROOT
+from conftest import ROOT, python_path
 from p2pfl.learning.models import MODELS
 from p2pfl.network.message import Message
 from p2pfl.network.wire import encode
@@ -162,7 +162,7 @@ def test_an_installed_entry_point_needs_no_plugins_key(tmp_path):
     del config["plugins"]
     (work / "exp.yaml").write_text(yaml.safe_dump(config))
     done = p2pfl("run", "exp.yaml", "--out", str(work / "out"), "--quiet", cwd=work,
-                 PYTHONPATH=str(site))  # fmt: skip
+                 PYTHONPATH=python_path(site))  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert summary(work / "out")["final"]["accuracy"] > 0.5
     assert "plugins" not in yaml.safe_load((work / "out" / "config.yaml").read_text())

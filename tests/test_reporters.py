@@ -12,7 +12,7 @@ from typing import ClassVar
 import pytest
 import yaml
 
-from conftest import BASE, ROOT, run_experiment
+from conftest import BASE, ROOT, python_path, run_experiment
 from p2pfl.reporting.reporters import REPORTERS, Reporter
 
 # DFedAvgM on a ring: rows from every peer, each round, and from the final model.
@@ -70,7 +70,7 @@ def test_naming_tensorboard_without_the_package_is_a_config_error(tmp_path):
     path = tmp_path / "exp.yaml"
     path.write_text(yaml.safe_dump(BASE | SECTIONS))
     out = tmp_path / "run"
-    env = {"PYTHONPATH": f"{hidden.parent}:{ROOT}", "PATH": "/usr/bin:/bin"}
+    env = {"PYTHONPATH": python_path(hidden.parent, ROOT), "PATH": "/usr/bin:/bin"}
     proc = p2pfl("run", str(path), "--out", str(out), env=env)
     assert proc.returncode == 2
     assert proc.stderr.strip() == (

@@ -15,6 +15,7 @@ import pytest
 import torch
 import yaml
 
+from conftest import AFTER_CUDA, forks_refused
 from p2pfl.app import sweep
 from p2pfl.app.cli import main
 from p2pfl.core.errors import ConfigError, RunError
@@ -55,16 +56,6 @@ def write(tmp_path, grid=GRID, **changes):
 def rows(path):
     with path.open() as f:
         return list(csv.DictReader(f))
-
-
-def forks_refused() -> bool:
-    """Whether this pytest process has used CUDA (``pytest --device cuda``): autograd refuses
-    to run in a child forked after the parent's CUDA backward passes, so a sweep on workers
-    must start in a fresh process (the command line forks before any CUDA work)."""
-    return torch.cuda.is_initialized()
-
-
-AFTER_CUDA = "this process ran CUDA: its forked cells could not train (run the test alone)"
 
 
 def test_values_apply_as_sections_shorthands_and_dotted_keys():
