@@ -14,7 +14,8 @@ graphs (the loop each peer's full-size steps, batched each group's); two more Le
 turn them off in the loop alone, and on both sides. ``--models lenet`` runs the LeNet rows alone.
 On a CPU the LeNet row is followed by a bound: the loop's time against its steps' matrix
 products alone, batched over the peers with ``torch.bmm`` (:func:`gemm_bound`), the most any
-batching could gain on this CPU.
+batching could gain on this CPU, and by the gain of each convolution run for all the peers as
+one grouped convolution (:func:`grouped_conv_gains`).
 
     OMP_NUM_THREADS=1 python benchmarks/batched.py [--peers 100] [--repeats 3]
         [--device cpu|cuda] [--models mlp lenet run]
@@ -160,6 +161,55 @@ def gemm_bound(setup: Setup, loop_s: float, peers: int, cfg: TrainConfig) -> dic
             "products": each}  # fmt: skip
 
 
+def grouped_conv_gains(
+    setup: Setup, peers: int, cfg: TrainConfig
+) -> list[dict[str, float | list[int]]]:
+    """The other way to batch a convolution on a CPU: the peers as the groups of one grouped
+    convolution (oneDNN, channels-last input). For each of the model's convolutions, its
+    forward and backward (the input's gradient too, but the first layer's) for ``peers``
+    peers: one call per peer, as the loop makes them, against one grouped call."""
+    module, batch = setup.trainer.module(CPU), cfg.batch_size
+    inputs: list[tuple[torch.nn.Conv2d, tuple[int, ...]]] = []
+    convs = [m for m in module.modules() if isinstance(m, torch.nn.Conv2d)]
+    hooks = [
+        m.register_forward_hook(lambda m, args, _: inputs.append((m, tuple(args[0].shape[1:]))))
+        for m in convs
+    ]
+    with torch.no_grad():
+        module(torch.zeros(1, *setup.data.peers[0].train_x.shape[1:]))
+    for h in hooks:
+        h.remove()
+    return [
+        _grouped_gain(conv, shape, peers, batch, grad_in=i > 0)
+        for i, (conv, shape) in enumerate(inputs)
+    ]
+
+
+def _grouped_gain(
+    conv: torch.nn.Conv2d, shape: tuple[int, ...], peers: int, batch: int, grad_in: bool
+) -> dict[str, float | list[int]]:
+    """One convolution of ``peers`` peers (input ``shape`` per sample), one by one against
+    grouped; ``grad_in``: the input's gradient is computed too (every layer but the first)."""
+    c, h, w = shape
+    o, (kh, kw), pad = conv.out_channels, conv.kernel_size, conv.padding
+    xs = [torch.randn(batch, c, h, w, requires_grad=grad_in) for _ in range(peers)]
+    ws = [torch.randn(o, c, kh, kw, requires_grad=True) for _ in range(peers)]
+    x = torch.cat([xi.detach() for xi in xs], 1).to(memory_format=torch.channels_last)
+    x.requires_grad_(grad_in)
+    weight = torch.cat([wi.detach() for wi in ws], 0).requires_grad_()
+
+    def one_by_one() -> None:
+        for xi, wi in zip(xs, ws, strict=True):
+            torch.nn.functional.conv2d(xi, wi, padding=pad).sum().backward()
+
+    def grouped() -> None:
+        torch.nn.functional.conv2d(x, weight, padding=pad, groups=peers).sum().backward()
+
+    loop_s, grouped_s = _median_s(one_by_one), _median_s(grouped)
+    return {"input": [c, h, w], "out_channels": o, "loop_s": loop_s, "grouped_s": grouped_s,
+            "speedup": loop_s / grouped_s}  # fmt: skip
+
+
 def _bmm_s(peers: int, m: int, k: int, n: int) -> float:
     a, b = torch.randn(peers, m, k), torch.randn(peers, k, n)
     return _median_s(lambda: torch.bmm(a, b))
@@ -222,6 +272,7 @@ def main() -> None:
                      *side_by_side(setup, pool, sgd, args.repeats, device)])  # fmt: skip
         if device == CPU:
             extra["lenet_bound"] = gemm_bound(setup, rows[-1][2], args.peers, sgd)
+            extra["lenet_bound"]["grouped_convs"] = grouped_conv_gains(setup, args.peers, sgd)
         on_gpu = {"batched alone": (False, True), "neither": (False, False)}
         for side, graphs in on_gpu.items() if device.type == "cuda" else ():
             row = side_by_side(setup, pool, sgd, args.repeats, device, False, graphs)
@@ -241,6 +292,12 @@ def main() -> None:
             f"large mm: {b['mm_gflops']:.1f}): batching can gain at most "
             f"{b['most_speedup']:.2f}x here"
         )
+        for g in b["grouped_convs"]:
+            print(
+                f"  conv {g['input']} -> {g['out_channels']} channels, forward and backward, "
+                f"the peers as one grouped conv: {g['speedup']:.2f}x the per-peer calls "
+                f"({g['loop_s'] * 1e3:.1f} -> {g['grouped_s'] * 1e3:.1f} ms)"
+            )
     print(f"load average before {extra['load_before']}, after {extra['load_after']}")
 
 
