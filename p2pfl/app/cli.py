@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
 from p2pfl.core.errors import ConfigError, RunError
+from p2pfl.runtime.children import interrupts_kept
 
 if TYPE_CHECKING:
     from p2pfl.runtime.children import Workers
@@ -638,7 +639,8 @@ def main(argv: list[str] | None = None) -> int:
             "run": cmd_run, "peer": cmd_peer, "keys": cmd_keys, "cost": cmd_cost, "plot": cmd_plot,
             "merge": cmd_merge,
         }  # fmt: skip
-        return commands[args.command](args)
+        with interrupts_kept():
+            return commands[args.command](args)
     except ConfigError as e:
         _error(str(e))
         return 2

@@ -21,7 +21,8 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 from p2pfl.core.errors import RunError
 
@@ -137,7 +138,8 @@ def _child(main: Callable[[], int], name: str) -> None:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, 1)
         os.close(devnull)
-        code = main()
+        with interrupts_kept():
+            code = main()
     except KeyboardInterrupt:  # Ctrl-C or the launcher's SIGTERM: the launcher reports it
         code = 130
     except BaseException:
@@ -158,6 +160,41 @@ def _interrupted(signum: int, frame: object) -> None:
 
 def _ignored(signum: int, frame: object) -> None:
     """A signal after the first: the child is already ending."""
+
+
+@contextlib.contextmanager
+def interrupts_kept() -> Iterator[None]:
+    """Within it, an interrupt that a signal handler raised where no exception can go on is
+    raised again, not printed and lost. Python runs a handler wherever C code checks for
+    signals, destructors included: pyzmq checks in ``Frame.__dealloc__``, and a Ctrl-C or
+    SIGTERM that came then was printed as a traceback ("Exception ignored in ...") and never
+    stopped the process. Here it is raised at the next call or return of the code that the
+    destructor interrupted (a profile hook, removed once it has raised), and not reported."""
+    unraisable, excepthook = sys.unraisablehook, sys.excepthook
+
+    def again(u: Any) -> None:
+        if not isinstance(u.exc_value, KeyboardInterrupt):
+            return unraisable(u)
+        lost, profiler = u.exc_value, sys.getprofile()
+
+        def raise_it(frame: Any, event: str, arg: Any) -> None:
+            if frame.f_code is not again.__code__:  # not this hook's own return
+                sys.setprofile(profiler)
+                raise lost
+
+        sys.setprofile(raise_it)
+
+    def quiet(kind: type[BaseException], value: BaseException, tb: Any) -> None:
+        # Cython reports an exception in a destructor twice, through this hook and then the
+        # unraisable one; an interrupt comes here only that way (callers catch the others)
+        if not issubclass(kind, KeyboardInterrupt):
+            excepthook(kind, value, tb)
+
+    sys.unraisablehook, sys.excepthook = again, quiet
+    try:
+        yield
+    finally:
+        sys.unraisablehook, sys.excepthook = unraisable, excepthook
 
 
 def free_port() -> int:
