@@ -31,7 +31,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
 from p2pfl.core.errors import ConfigError, RunError
-from p2pfl.runtime.children import interrupts_kept
 
 if TYPE_CHECKING:
     from p2pfl.runtime.children import Workers
@@ -633,6 +632,8 @@ def main(argv: list[str] | None = None) -> int:
         args = parser().parse_args(argv)
     except SystemExit as e:  # --help, or a bad argument already reported in one line
         return int(e.code or 0)
+    from p2pfl.runtime.children import interrupts_kept
+
     previous = signal.signal(signal.SIGTERM, _terminate)
     try:
         commands = {
