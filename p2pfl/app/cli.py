@@ -209,14 +209,18 @@ def _is_run(path: Path) -> bool:
     from p2pfl.core.yaml_io import read_yaml
 
     entries = [p for p in path.iterdir() if p.name != LOCK]
-    if "config.yaml" not in {p.name for p in entries} or not all(
-        p.name in RUN_FILES or (ARTIFACTS.fullmatch(p.name) and p.is_file()) for p in entries
-    ):
+    if "config.yaml" not in {p.name for p in entries} or not all(map(_run_file, entries)):
         return False
     try:
         return {"seed", "topology", "peers", "algorithm"} <= read_yaml(path / "config.yaml").keys()
     except ConfigError:
         return False
+
+
+def _run_file(path: Path) -> bool:
+    """Whether ``path``, in a run's directory, is one that a run writes (:data:`RUN_FILES`,
+    or a method's table or picture)."""
+    return path.name in RUN_FILES or bool(ARTIFACTS.fullmatch(path.name) and path.is_file())
 
 
 def _is_sweep(path: Path) -> bool:
@@ -356,7 +360,15 @@ def cmd_merge(args: argparse.Namespace) -> int:
         files = read_nodes(out, setup)
     except RunError as e:
         raise ConfigError("RUN_DIR", str(e)) from None
-    merged = sorted(p.name for p in out.iterdir() if p.name not in ("peers", LOCK))
+    held = sorted(out.iterdir())
+    foreign = [p.name for p in held if p.name not in (LOCK, "peers") and not _run_file(p)]
+    if foreign:
+        shown = ", ".join(foreign[:3]) + (", ..." if len(foreign) > 3 else "")
+        raise ConfigError(
+            "RUN_DIR", f"{out} holds files p2pfl did not write beside peers/ ({shown}); "
+            "move them out: merge never deletes them",
+        )  # fmt: skip
+    merged = [p.name for p in held if p.name not in (LOCK, "peers")]
     if merged and not args.force:
         raise ConfigError(
             "RUN_DIR", f"{out} already holds {merged[0]}; pass --force to merge it again"

@@ -25,7 +25,7 @@ import sys
 import time
 from collections.abc import Iterator, Set
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -37,6 +37,7 @@ import zmq
 from p2pfl.core.errors import ConfigError, RunError
 from p2pfl.core.json_io import write_json
 from p2pfl.core.yaml_io import read_yaml
+from p2pfl.learning.state import State
 from p2pfl.learning.training import optimizer
 from p2pfl.methods.effects import Finish
 from p2pfl.network.ledger import Ledger
@@ -45,7 +46,7 @@ from p2pfl.network.wire import WireError, decode, encode
 from p2pfl.reporting.reporters import CsvReporter, Reporter
 from p2pfl.runtime.children import Forked, stop
 from p2pfl.runtime.setup import Setup
-from p2pfl.runtime.sockets import Crashed, TransportConfig, ZmqNode, model_schema
+from p2pfl.runtime.sockets import Crashed, Schema, TransportConfig, ZmqNode, model_schema
 from p2pfl.runtime.worker import Worker
 
 
@@ -64,11 +65,12 @@ class Outcome:
 @dataclass
 class NodeFiles:
     """What a real run's nodes wrote in their ``peers/NAME/`` directories, read and checked
-    once: each node's ``result.json`` (a node killed by its crash wrote none) and its metric
-    and comm rows."""
+    once: each node's ``result.json`` (a node killed by its crash wrote none), its final
+    model (``final.bin``, checked against the model's schema) and its metric and comm rows."""
 
     results: dict[int, dict[str, Any]]
     rows: dict[int, tuple[list[tuple], list[tuple]]]
+    finals: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
 
 
 def node_id(setup: Setup, name: str, key: str = "--peer") -> int:
@@ -351,7 +353,7 @@ def launch(setup: Setup, out: Path, reporters: Reporter) -> Outcome:
         except RunError:
             if not failed:  # else the run's own error is the one to report
                 raise
-    return Outcome(*_collect(out, files, setup), time.monotonic() - start, comm, startup_s)
+    return Outcome(*_collect(files), time.monotonic() - start, comm, startup_s)
 
 
 def gather(setup: Setup, out: Path, files: NodeFiles, reporters: Reporter) -> Outcome:
@@ -367,7 +369,7 @@ def gather(setup: Setup, out: Path, files: NodeFiles, reporters: Reporter) -> Ou
     elapsed = max(float(r.get("elapsed_s", 0.0)) for r in files.results.values())
     starts = [float(r["t0"]) + r.get("late_s", 0.0) for r in files.results.values() if "t0" in r]
     spread = max(starts) - min(starts) if len(starts) == len(files.results) else None
-    return Outcome(*_collect(out, files, setup), elapsed, comm, start_spread_s=spread)
+    return Outcome(*_collect(files), elapsed, comm, start_spread_s=spread)
 
 
 def _gather_hellos(ctl, procs, out: Path, setup: Setup, transport: TransportConfig):
@@ -436,14 +438,18 @@ def _rows(path: Path, types: tuple[type, ...]) -> list[tuple]:
 
 
 def read_nodes(out: Path, setup: Setup) -> NodeFiles:
-    """Every node's files in ``out/peers/NAME/``; a ``RunError`` naming the first file that
-    is not one a node writes (:func:`read_result`, :func:`_rows`)."""
+    """Every node's files in ``out/peers/NAME/``, all read and checked before anything is
+    written; a ``RunError`` naming the first file that is not one a node writes
+    (:func:`read_result`, :func:`read_final`, :func:`_rows`)."""
     comm_row = COMM_ROW + (str,) * (setup.network is not None)
     files = NodeFiles({}, {})
+    schema = model_schema(setup.trainer.module(torch.device("cpu")))
     for n in sorted(setup.topology.graph.nodes):
         mine = out / "peers" / setup.topology.name(n)
         if (mine / "result.json").is_file():
             files.results[n] = read_result(mine)
+            if (mine / "final.bin").is_file():
+                files.finals[n] = read_final(mine / "final.bin", schema)
         metrics, comm = _rows(mine / "metrics.csv", METRIC_ROW), _rows(mine / "comm.csv", comm_row)
         files.rows[n] = metrics, comm
     return files
@@ -481,19 +487,29 @@ def read_result(mine: Path) -> dict[str, Any]:
     return result
 
 
-def _collect(out: Path, files: NodeFiles, setup: Setup) -> tuple[dict[int, Finish], dict]:
-    """Every node's final model (its ``final.bin``) and reports; a node killed by its crash
-    before it could write its result has none."""
+def read_final(path: Path, schema: Schema) -> State:
+    """A node's ``final.bin``: a model frame holding exactly the model's tensors, with their
+    shapes and dtypes; a ``RunError`` naming the file otherwise."""
+    try:
+        state = decode(bytearray(path.read_bytes())).tensors
+    except (OSError, WireError) as e:
+        raise RunError(f"{path}: not a model frame ({e})") from None
+    if state.keys() != schema.keys():
+        odd = sorted(state.keys() ^ schema.keys())
+        raise RunError(f"{path}: not this experiment's model (tensor {odd[0]!r})")
+    for k, t in state.items():
+        if (tuple(t.shape), t.dtype) != schema[k]:
+            raise RunError(f"{path}: not this experiment's model (tensor {k!r} is "
+                           f"{t.dtype}{list(t.shape)})")  # fmt: skip
+    return state
+
+
+def _collect(files: NodeFiles) -> tuple[dict[int, Finish], dict]:
+    """Every node's final model (its ``final.bin``, read by :func:`read_nodes`) and reports;
+    a node killed by its crash before it could write its result has none."""
     finals: dict[int, Finish] = {}
     baselines: dict[str, float] = {}
     for n, result in files.results.items():
-        mine = out / "peers" / setup.topology.name(n)
-        state = None
-        if (mine / "final.bin").is_file():
-            try:
-                state = decode(bytearray((mine / "final.bin").read_bytes())).tensors
-            except WireError as e:
-                raise RunError(f"{mine / 'final.bin'}: not a model frame ({e})") from None
-        finals[n] = Finish(state, result["output"])
+        finals[n] = Finish(files.finals.get(n), result["output"])
         baselines |= result["baselines"]
     return finals, baselines
