@@ -23,19 +23,86 @@ SECTIONS = {
 }
 
 
-def final_accuracies(out) -> list[float]:
+def finals(monkeypatch, out, **sections) -> tuple[dict, dict]:
+    """Run a digits experiment; its summary and every node's final model (``Finish.state``)."""
+    runtimes = []
+    init = SimRuntime.__init__
+
+    def spy(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        runtimes.append(self)
+
+    monkeypatch.setattr(SimRuntime, "__init__", spy)
+    summary = run_experiment(out, **sections)
+    (runtime,) = runtimes
+    return summary, {n: f.state for n, f in runtime.finals.items()}
+
+
+def metric_rows(out) -> list[tuple[str, ...]]:
     with open(out / "metrics.csv") as f:
-        return [float(r["value"]) for r in csv.DictReader(f) if r["metric"] == "accuracy"]
+        return [tuple(r.values()) for r in csv.DictReader(f)]
 
 
-def test_push_sum_equals_dfedavgm_on_a_ring(tmp_path):
+FLOAT32_ROUNDING = 2.5e-7
+"""How far apart two peers' models may be, per coordinate, where two methods compute the same
+numbers in a different float32 order: a few units in the last place at these magnitudes
+(|w| < 0.5, ulp 3e-8); measured 4.5e-8 (push-sum vs DFedAvgM, 3 rounds) and 8.9e-8 (running
+sums vs plain, 20 rounds). Not bit for bit, for reasons in p2pfl's arithmetic, not the methods:
+DFedAvgM mixes in float64 and rounds once (``average_states``), push-sum scales each share by
+1/(d + 1) and adds the shares in float32 and applies a training as x + (trained - z); running
+sums send σ = x + (what was pushed before) and the receiver subtracts the last σ, which rounds
+again. A method that mixes wrongly moves coordinates by 1e-3 and more."""
+
+
+def assert_rounding_apart(a: dict, b: dict, nodes) -> None:
+    assert a.keys() == b.keys() == set(nodes)
+    for n in nodes:
+        assert a[n].keys() == b[n].keys()
+        for k in a[n]:
+            gap = (a[n][k].double() - b[n][k].double()).abs().max().item()
+            assert gap <= FLOAT32_ROUNDING, (n, k, gap)
+
+
+def assert_same_evaluations(a: list[tuple[str, ...]], b: list[tuple[str, ...]]) -> None:
+    """The same metrics.csv rows: accuracies as written (a count of right answers), losses to
+    float32 rounding (their last written digit may differ)."""
+    assert [r[:-1] for r in a] == [r[:-1] for r in b]
+    for x, y in zip(a, b, strict=True):
+        if x[-2] == "loss":
+            assert float(x[-1]) == pytest.approx(float(y[-1]), rel=1e-6, abs=0), (x, y)
+        else:
+            assert x == y
+
+
+@pytest.mark.xfail(strict=True, reason="float32 shares against DFedAvgM's float64 mixing "
+                   "(FLOAT32_ROUNDING): reported to the lead; strict, so a fix shows")  # fmt: skip
+def test_push_sum_equals_dfedavgm_on_a_ring_bit_for_bit(tmp_path, monkeypatch):
+    algorithm = {"rounds": 3}
+    _, ps = finals(
+        monkeypatch, tmp_path / "ps", **SECTIONS, algorithm={"name": "pushsum"} | algorithm
+    )
+    _, dm = finals(
+        monkeypatch, tmp_path / "dm", **SECTIONS, algorithm={"name": "dfedavgm"} | algorithm
+    )
+    assert all(torch.equal(ps[n][k], dm[n][k]) for n in ps for k in ps[n])
+
+
+def test_push_sum_equals_dfedavgm_on_a_ring(tmp_path, monkeypatch):
     """A ring is regular and undirected: the push shares 1/3 equal the Metropolis weights 1/3
-    and every weight stays 1, so SGP and DFedAvgM train the same models."""
-    ps = run_experiment(tmp_path / "ps", **SECTIONS, algorithm={"name": "pushsum", "rounds": 3})
-    dm = run_experiment(tmp_path / "dm", **SECTIONS, algorithm={"name": "dfedavgm", "rounds": 3})
+    and every weight stays 1, so SGP and DFedAvgM train the same models: every peer's final
+    tensors to float32 rounding, and every evaluation's value as written."""
+    ps, ps_models = finals(monkeypatch, tmp_path / "ps", **SECTIONS,
+                           algorithm={"name": "pushsum", "rounds": 3})  # fmt: skip
+    dm, dm_models = finals(monkeypatch, tmp_path / "dm", **SECTIONS,
+                           algorithm={"name": "dfedavgm", "rounds": 3})  # fmt: skip
     assert ps["comm"]["messages"] == dm["comm"]["messages"] == 3 * 6 * 2
-    a, b = final_accuracies(tmp_path / "ps"), final_accuracies(tmp_path / "dm")
-    assert max(abs(x - y) for x, y in zip(a, b, strict=True)) < 1e-9
+    assert_rounding_apart(ps_models, dm_models, range(6))
+    # every evaluation: round, peer, metric and value as written (the time differs: a share
+    # carries its weight's text, so it takes a few more bytes' time on the link)
+    a, b = ([r[1:] for r in metric_rows(tmp_path / d)] for d in ("ps", "dm"))
+    assert_same_evaluations(a, b)
+    assert len(a) == 2 * 6 * 3 + 2  # accuracy and loss per peer and round, and of the output
+    assert ps["final"] == dm["final"] and ps["per_peer"] == dm["per_peer"]
     # only the weight's fixed-width text is extra on the wire
     extra = ps["comm"]["total_bytes"] - dm["comm"]["total_bytes"]
     assert extra > 0 and extra % (3 * 12) == 0 and extra // (3 * 12) < 64
@@ -104,7 +171,7 @@ def test_late_shares_are_added_at_the_next_receive(tmp_path, monkeypatch, networ
     assert bool(left) == bool(network)  # with loss or churn some came after the end
 
 
-def test_running_sums_recover_lost_shares_with_the_same_messages(tmp_path):
+def test_running_sums_recover_lost_shares_with_the_same_messages(tmp_path, monkeypatch):
     """``robust: true`` (running sums; Hadjicostis, Vaidya and Domínguez-García 2016): the
     same messages of the same sizes meet the same fates (comm.csv byte for byte), but a lost
     share reaches its receiver with the next message on that link, so push-sum no longer
@@ -117,21 +184,28 @@ def test_running_sums_recover_lost_shares_with_the_same_messages(tmp_path):
         "eval": {"every": 1, "per_peer": False},
     }
     algorithm = {"name": "pushsum", "rounds": 20, "wait_s": 0.5}
-    runs = {}
+    runs, models = {}, {}
     for loss in (0.0, 0.2):
         net = {"graph": {"every": "round", "kind": "s_out", "s": 3}, "links": {"loss": loss}}
         for robust in (False, True):
             out = tmp_path / f"{loss}-{robust}"
             algo = algorithm | {"robust": robust}
-            runs[loss, robust] = run_experiment(out, **base, algorithm=algo, network=net)
+            runs[loss, robust], models[loss, robust] = finals(
+                monkeypatch, out, **base, algorithm=algo, network=net
+            )
             runs[loss, robust]["comm.csv"] = (out / "comm.csv").read_bytes()
     for loss in (0.0, 0.2):
         assert runs[loss, True]["comm.csv"] == runs[loss, False]["comm.csv"]
     assert runs[0.2, True]["comm"]["by_fate"]["lost"]["messages"] > 20
     plain, robust = (runs[0.2, r]["final"]["accuracy"] for r in (False, True))
     assert robust > plain + 0.3, (plain, robust)
-    a, b = (final_accuracies(tmp_path / f"0.0-{r}") for r in (False, True))
-    assert max(abs(x - y) for x, y in zip(a, b, strict=True)) < 0.01
+    # no loss: every accuracy row (time, round, peer, value) and the final accuracy are the
+    # same; the models agree to float32 rounding (see FLOAT32_ROUNDING)
+    a, b = (metric_rows(tmp_path / f"0.0-{r}") for r in (False, True))
+    assert_same_evaluations(a, b)
+    assert len(a) == 2 * 12 * 20 + 2
+    assert runs[0.0, False]["final"]["accuracy"] == runs[0.0, True]["final"]["accuracy"]
+    assert_rounding_apart(models[0.0, False], models[0.0, True], range(12))
 
 
 def test_running_sums_are_sent_and_an_older_one_taken_late_is_dropped():
