@@ -245,6 +245,9 @@ def decode(frame: Buffer | Sequence[Buffer], max_bytes: int = MAX_FRAME_BYTES) -
     decoded = sum(math.prod(shape) * dtype.itemsize for _, dtype, shape, _, _ in specs)
     if decoded > max_bytes:  # a codec's few bytes (top-k with k = 0) may stand for many
         raise WireError(f"tensors of {decoded} bytes once decoded exceed the limit of {max_bytes}")
+    for name, dtype, shape, _, _ in specs:  # an empty tensor's other sides too: [0, 2**47]
+        if math.prod(d or 1 for d in shape) * dtype.itemsize > max_bytes:
+            raise WireError(f"tensor {name!r}: shape {shape} exceeds the limit of {max_bytes}")
     if sum(n for *_, n, _ in specs) != sum(p.nbytes for p in payload):
         raise WireError("tensor sizes do not add up to the frame's payload")
     received = [p for p in payload if p.nbytes]

@@ -19,6 +19,7 @@ from __future__ import annotations
 import csv
 import fcntl
 import json
+import math
 import os
 import re
 import sys
@@ -154,6 +155,7 @@ def run_peer(
     zn = ZmqNode(
         node, setup.topology, worker, ledger, transport, setup.compression,
         setup.network, model_schema(setup.trainer.module(torch.device("cpu"))),
+        worker.total_rounds,
     )  # fmt: skip
     result: dict[str, Any] = {"node": name, "status": "failed"}
     started = time.monotonic()
@@ -186,8 +188,8 @@ def run_peer(
         sys.stderr.flush()
         return 1
     finally:
-        result |= {
-            "rejected_frames": zn.rejected, "compute_wall_s": setup.trainer.busy_s,
+        result |= zn.report() | {
+            "compute_wall_s": setup.trainer.busy_s,
             "elapsed_s": time.monotonic() - started, "t0": zn.t0,
         }  # fmt: skip
         write_json(mine / "result.json", result)  # whole, even if this process is killed
@@ -252,15 +254,45 @@ def wait_nodes(procs: dict[int, Forked], setup: Setup, out: Path) -> int:
 
 def _watch(procs: dict[int, Forked], out: Path, setup: Setup, t0: float | None = None) -> None:
     """Poll the forked nodes until every one has exited; the first that fails or dies
-    raises, named (:func:`_check`). Given the run's start ``t0``, each node whose crash time
-    (``network.crashes``) has come is killed, and its death is no failure."""
+    raises, named (:func:`_check`). Given the run's start ``t0`` (a launcher's run, every
+    node here), each node whose crash time (``network.crashes``) has come is killed, and its
+    death is no failure; and the last node left running must end soon after the others
+    (:func:`_late`)."""
     crashed: set[int] = set()
-    while any(p.poll() is None for p in procs.values()):
+    left, ended_at = len(procs), None
+    while running := [n for n, p in procs.items() if p.poll() is None]:
+        _check(procs, out, setup, crashed)
         if t0 is not None:
             _crash(procs, setup, t0, crashed)
-        _check(procs, out, setup, crashed)
+            if len(running) < left:
+                left, ended_at = len(running), time.time() - t0
+            if left == 1 and ended_at is not None:
+                _late(procs, running[0], setup, t0, ended_at)
         time.sleep(0.05)
     _check(procs, out, setup, crashed)
+
+
+def _late(procs: dict[int, Forked], n: int, setup: Setup, t0: float, ended_at: float) -> None:
+    """Raise a ``RunError`` naming node ``n``, the one left running, if it still is
+    ``transport.timeout_s`` after the others had all ended at ``ended_at`` (or after the
+    network brought it back online): nothing it could wait for is left, so it is hung
+    (SIGSTOP, a deadlock), and no receive times out on it where a ``network:`` section lets
+    its neighbours go on."""
+    timeout = TransportConfig(**setup.config["transport"]).timeout_s
+    due = ended_at
+    if setup.network is not None and (back := setup.network.next_online(n, ended_at)) < math.inf:
+        due = back
+    if time.time() - t0 <= due + timeout or procs[n].poll() is not None:
+        return
+    try:
+        state = Path(f"/proc/{procs[n].pid}/stat").read_text().rpartition(")")[2].split()[0]
+    except (OSError, IndexError):
+        state = ""
+    stopped = " (its process is stopped: SIGSTOP?)" if state in ("T", "t") else ""
+    raise RunError(
+        f"peer {setup.topology.name(n)} did not end within {timeout:g} s "
+        f"(transport.timeout_s) of the other nodes{stopped}"
+    )
 
 
 STOP_GRACE_S = 1.0
@@ -405,7 +437,8 @@ def _crash(procs: dict[int, Forked], setup: Setup, t0: float, crashed: set[int])
 def _check(
     procs: dict[int, Forked], out: Path, setup: Setup, crashed: Set[int] = frozenset()
 ) -> None:
-    """Raise a ``RunError`` naming the first node that failed or died (not of a crash)."""
+    """Raise a ``RunError`` naming the first node that failed or died (not of a crash),
+    and the stops that nodes took (:func:`_stops`)."""
     for n, p in procs.items():
         code = p.poll()
         if code is None or code == 0 or n in crashed:
@@ -414,9 +447,24 @@ def _check(
         result = out / "peers" / name / "result.json"
         if code > 0 and result.is_file():
             reason = json.loads(result.read_text()).get("error", f"exit code {code}")
-            raise RunError(f"peer {name} failed: {reason}")
+            raise RunError(f"peer {name} failed: {reason}{_stops(procs, out, setup)}")
         how = f"signal {-code}" if code < 0 else f"exit code {code}"
-        raise RunError(f"peer {name} died ({how})")
+        raise RunError(f"peer {name} died ({how}){_stops(procs, out, setup)}")
+
+
+def _stops(procs: dict[int, Forked], out: Path, setup: Setup) -> str:
+    """The stop frames that nodes which ended took (their ``result.json``'s ``stop``), for a
+    failed run's error: a stop in a peer's name ends a node the others still wait for."""
+    notes = []
+    for n in procs:
+        name = setup.topology.name(n)
+        try:
+            stop = json.loads((out / "peers" / name / "result.json").read_text()).get("stop")
+            notes.append(f"peer {name} stopped on a stop frame from {stop['from']} "
+                         f"at round {stop['round']}")  # fmt: skip
+        except (OSError, ValueError, AttributeError, TypeError, KeyError):
+            continue
+    return "".join(f"; {note}" for note in notes)
 
 
 METRIC_ROW = (float, int, str, str, float)

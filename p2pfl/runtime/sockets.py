@@ -5,11 +5,13 @@ neighbour. ``Send`` encodes the message at the choke point (``wire.encode_parts`
 hands its parts to ZeroMQ as one multipart message without copying the tensors.
 ``Recv`` polls the inbox with the configured timeout and consumes messages exactly as
 the simulation does (``mailbox.take``), so the same seed gives the same models. Frames
-that fail to decode, that claim a sender that is not a neighbour, whose model tensors have
-the wrong names, shapes or dtypes, or that find their sender's backlog full are dropped with
-a logged reason (:meth:`ZmqNode.accept`). With ``transport.curve_keys`` every socket uses
-CURVE encryption, only holders of a listed key can connect, and a frame's sender must be the
-node whose key sent it.
+that fail to decode, that claim a sender that is not a neighbour, a ``model`` message that
+is not the model, an oversized ``meta``, a round outside the node's round window, or a frame
+that finds its sender's backlog full of messages the node needs more are dropped at the
+door, counted by sender and cause, and logged (:meth:`ZmqNode.accept`): a flood costs a
+bounded memory and never displaces the message a node waits for. With
+``transport.curve_keys`` every socket uses CURVE encryption, only holders of a listed key
+can connect, and a frame's sender must be the node whose key sent it.
 
 With a ``network:`` section every process builds the same seeded :class:`Network` and lives
 it in wall-clock time: an offline node drops what reaches it (recorded as ``offline``) and
@@ -22,8 +24,11 @@ is the real network's own; the drawn one is not added.
 
 from __future__ import annotations
 
+import json
 import logging
+import math
 import time
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -62,6 +67,17 @@ log = logging.getLogger("p2pfl.transport")
 
 MAX_BACKLOG = 256
 """Messages of one sender a node keeps waiting to be taken; more are dropped (a flood)."""
+
+MAX_BACKLOG_BYTES = 256 << 20
+"""Tensor bytes of one sender's messages a node keeps waiting to be taken (or four models'
+worth, if that is more; one message alone may exceed it)."""
+
+ROUND_WINDOW = 16
+"""A frame's round is at most this far past both the run's rounds and the node's own latest
+round (and not negative): later rounds are no protocol's, so a flood cannot fill a backlog."""
+
+MAX_META_BYTES = 64 << 10
+"""The largest ``meta`` (as compact JSON) a received message may carry."""
 
 MAX_TIMEOUT_S = 1e6
 """The longest timeout a run accepts (11.6 days; ZeroMQ counts milliseconds in an int32)."""
@@ -160,6 +176,7 @@ class ZmqNode:
         compression: Compression | None = None,
         network: Network | None = None,
         schema: Schema | None = None,
+        rounds: int = 0,
     ) -> None:
         self.node = node
         self.network = network
@@ -178,8 +195,13 @@ class ZmqNode:
         self.inbox_socket.setsockopt(zmq.LINGER, 0)
         self.outboxes: dict[int, zmq.Socket] = {}
         self.inbox: list[Message] = []
-        self.rejected = 0
         self.schema = schema or {}
+        model_bytes = sum(math.prod(s) * d.itemsize for s, d in self.schema.values())
+        self.backlog_bytes = max(MAX_BACKLOG_BYTES, 4 * model_bytes)
+        self.rounds = rounds  # the run's (the method's total_rounds)
+        self.round = 0  # the latest round this node's own effects named
+        self.dropped: Counter[tuple[int | None, str]] = Counter()  # (claimed sender, cause)
+        self.stop: Message | None = None  # the last stop frame the behaviour took
         self.senders: dict[str, int] = {}  # CURVE user id (z85 public key) -> node
         self.handshakes: zmq.Socket | None = None  # the inbox's failed CURVE handshakes
         self.refused = {"key": 0, "crypto": 0}  # ... counted by cause (refusals())
@@ -234,6 +256,8 @@ class ZmqNode:
             except StopIteration:
                 break
             value = None
+            if isinstance(r := getattr(eff, "round", None), int) and r > self.round:
+                self.round = r
             if self.network is not None:
                 self._live(isinstance(eff, (Send, Train, Compute)))
             if isinstance(eff, Send):
@@ -335,25 +359,31 @@ class ZmqNode:
             return "crashed"
         return None
 
-    def _check_schema(self, msg: Message) -> None:
-        """A tensor named like a model tensor has its shape and dtype; a model is whole."""
-        named = [k for k in msg.tensors if k in self.schema]
-        for k in named:
-            t = msg.tensors[k]
-            if (tuple(t.shape), t.dtype) != self.schema[k]:
-                shape, dtype = self.schema[k]
+    def _check_tensors(self, msg: Message) -> None:
+        """A tensor named like a model tensor has its shape and dtype; a ``model`` message
+        holds the whole model and nothing else, or whole models stacked as ``i/name``
+        (candidates sent to vote on), so no method is handed a model it cannot load."""
+        for k, t in msg.tensors.items():
+            name = k.split("/", 1)[1] if msg.kind == "model" and "/" in k else k
+            if name in self.schema and (tuple(t.shape), t.dtype) != self.schema[name]:
+                shape, dtype = self.schema[name]
                 raise WireError(
                     f"{msg.kind} tensor {k!r} is {t.dtype}{list(t.shape)}, the model's is "
                     f"{dtype}{list(shape)}"
                 )
-        if msg.kind == "model" and named and len(named) != len(self.schema):
-            missing = sorted(set(self.schema) - set(named))
-            raise WireError(f"model message lacks {len(missing)} model tensors ({missing[0]}, ...)")
+        if msg.kind != "model" or not self.schema or msg.tensors.keys() == self.schema.keys():
+            return
+        copies = max(1, -(-len(msg.tensors) // len(self.schema)))  # whole models it holds
+        stacked = {f"{i}/{k}" for i in range(copies) for k in self.schema}
+        if msg.tensors.keys() != stacked:
+            odd = sorted((msg.tensors.keys() ^ stacked) - self.schema.keys())
+            first = odd[0] if odd else next(iter(msg.tensors), "")
+            raise WireError(f"model message is not the model (tensor {first!r})")
 
     def _recv(self, recv: Recv) -> list[Message]:
         if recv.deadline is not None:
             self._drain_until_taken(recv)
-            return take(self.inbox, recv, partial=True) or []
+            return self._took(take(self.inbox, recv, partial=True) or [])
         deadline = time.monotonic() + self.transport.timeout_s
         while (got := take(self.inbox, recv)) is None:
             remaining = deadline - time.monotonic()
@@ -364,26 +394,67 @@ class ZmqNode:
                 )
             if self.inbox_socket.poll(max(1, int(remaining * 1000))):
                 self.receive()
-        return got
+        return self._took(got)
+
+    def _took(self, msgs: list[Message]) -> list[Message]:
+        """``msgs``, handed to the behaviour; a stop among them (a ``control`` message whose
+        meta says ``"stop": true``) is remembered, to name it if the run then fails."""
+        for m in msgs:
+            if m.kind == "control" and m.meta.get("stop") is True:
+                self.stop = m
+        return msgs
 
     def refusals(self) -> str:
         """Why a wait may have timed out: the CURVE handshakes this node's inbox refused
         (a stranger's count too, but a peer whose keys differ on its host is the usual
-        cause), or else a peer that died or never came up."""
+        cause) and the frames it dropped at the door (a flood in a peer's name), or else a
+        peer that died or never came up."""
         while self.handshakes is not None and self.handshakes.poll(0):
             event = recv_monitor_message(self.handshakes)["event"]
             self.refused["key" if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH else "crypto"] += 1
         key, crypto = self.refused["key"], self.refused["crypto"]
-        if not key + crypto:
-            return "a peer died or never came up?"
-        causes = [
-            f"{key} from a key not in {self.transport.curve_keys}" if key else "",
-            f"{crypto} encrypted for another public key of {self.name}" if crypto else "",
-        ]
-        return (
-            f"its inbox refused CURVE handshakes: {', '.join(c for c in causes if c)}; "
-            "do all hosts hold the same keys?"
-        )
+        hints = []
+        if key + crypto:
+            causes = [
+                f"{key} from a key not in {self.transport.curve_keys}" if key else "",
+                f"{crypto} encrypted for another public key of {self.name}" if crypto else "",
+            ]
+            hints.append(
+                f"its inbox refused CURVE handshakes: {', '.join(c for c in causes if c)}; "
+                "do all hosts hold the same keys?"
+            )
+        if self.dropped:
+            hints.append(f"it dropped {self.drops()}")
+        return "; ".join(hints) or "a peer died or never came up?"
+
+    @property
+    def rejected(self) -> int:
+        """How many frames this node dropped (at the door, or from a full backlog)."""
+        return sum(self.dropped.values())
+
+    def drops(self) -> str:
+        """The dropped frames in words, by claimed sender and cause, e.g. ``300 frames in
+        0's name (300 beyond the round window): a flood?``."""
+        senders = sorted({src for src, _ in self.dropped}, key=lambda s: (s is None, s or 0))
+        parts = []
+        for src in senders:
+            causes = {c: n for (s, c), n in self.dropped.items() if s == src}
+            who = "of no known sender" if src is None else f"in {self.topology.name(src)}'s name"
+            why = ", ".join(f"{n} {c}" for c, n in sorted(causes.items()))
+            parts.append(f"{sum(causes.values())} frame(s) {who} ({why})")
+        return "; ".join(parts) + (": a flood?" if self.rejected >= 10 else "")
+
+    def report(self) -> dict[str, Any]:
+        """What this node's ``result.json`` says of the frames it dropped and the stop it
+        took: ``rejected_frames``, ``rejected`` (per claimed sender, per cause) and ``stop``."""
+        name = self.topology.name
+        by: dict[str, dict[str, int]] = {}
+        for (src, cause), n in sorted(self.dropped.items(), key=lambda i: (str(i[0][0]), i[0][1])):
+            by.setdefault("?" if src is None else name(src), {})[cause] = n
+        out: dict[str, Any] = {"rejected_frames": self.rejected, "rejected": by}
+        if self.stop is not None:
+            out["stop"] = {"from": name(self.stop.src), "round": self.stop.round}
+        return out
 
     def _drain_until_taken(self, recv: Recv) -> None:
         """Take in frames until ``recv`` is satisfied or its deadline has passed (an endless
@@ -412,24 +483,35 @@ class ZmqNode:
 
         It must come to this node from a neighbour (under CURVE: from the key of the node it
         names as its sender), hold the model's shapes and dtypes for every model tensor it
-        names (all of them, for a ``model`` message that names one), and find fewer than
-        ``MAX_BACKLOG`` messages of its sender still waiting."""
+        names (a ``model`` message: the whole model, :meth:`_check_tensors`), carry a meta
+        of at most ``MAX_META_BYTES``, name a round in the node's window (0 to
+        ``ROUND_WINDOW`` past the run's rounds and its own) and find room in its sender's
+        backlog (:meth:`_make_room`)."""
         size = sum(p.nbytes for p in parts)
+        src: int | None = None
+        cause = "malformed"
         try:
             if size > self.transport.max_message_bytes:
                 raise WireError(f"{size} bytes exceed transport.max_message_bytes")
             msg = decode(parts, self.transport.max_message_bytes)  # tensors view the frames
+            cause = "misrouted"
             if msg.dst != self.node or msg.src not in self.outboxes:
                 raise WireError(f"unexpected route {msg.src} -> {msg.dst}")
             if self.keys is not None and self.senders.get(key or "") != msg.src:
                 raise WireError(f"claims to come from {msg.src}, but its CURVE key is not theirs")
-            self._check_schema(msg)
-            backlog = sum(m.src == msg.src for m in self.inbox)
-            if backlog >= MAX_BACKLOG:
-                raise WireError(f"{backlog} messages from {msg.src} already wait to be taken")
+            src, cause = msg.src, "not the model"
+            self._check_tensors(msg)
+            cause = "oversized meta"
+            meta = len(json.dumps(msg.meta, separators=(",", ":")))
+            if meta > MAX_META_BYTES:
+                raise WireError(f"a meta of {meta} bytes exceeds {MAX_META_BYTES}")
+            cause, last = "beyond the round window", max(self.round, self.rounds) + ROUND_WINDOW
+            if not 0 <= msg.round <= last:
+                raise WireError(f"round {msg.round} is outside this node's window 0..{last}")
+            cause = "over the backlog"
+            self._make_room(msg)
         except WireError as e:
-            self.rejected += 1
-            log.warning("%s dropped a frame of %d bytes: %s", self.name, size, e)
+            self._drop(src, cause, f"a frame of {size} bytes", str(e))
             return None
         now = self.now()
         name = self.topology.name
@@ -441,3 +523,43 @@ class ZmqNode:
             return None
         self.inbox.append(msg)
         return msg
+
+    def _need(self, msg: Message) -> tuple[int, int]:
+        """How little this node needs ``msg`` (larger: less): a round at or after its own
+        latest, the nearer the more; a past round least, the older the less."""
+        ahead = msg.round - self.round
+        return (0, ahead) if ahead >= 0 else (1, -ahead)
+
+    def _make_room(self, msg: Message) -> None:
+        """Keep each sender's waiting messages within ``MAX_BACKLOG`` and the byte bound:
+        while ``msg`` does not fit, the waiting message this node needs least (the newest
+        of equals) is dropped for it if needed less, else ``msg`` is refused (a
+        ``WireError``). A flood's frames, rounds ahead of the awaited one, so never
+        displace it."""
+
+        def held(m: Message) -> int:
+            return sum(t.nbytes for t in m.tensors.values())
+
+        mine = [m for m in self.inbox if m.src == msg.src]
+        while mine and (
+            len(mine) >= MAX_BACKLOG or sum(map(held, mine)) + held(msg) > self.backlog_bytes
+        ):
+            worst = max(reversed(mine), key=self._need)
+            if self._need(msg) >= self._need(worst):
+                raise WireError(
+                    f"{len(mine)} messages of {sum(map(held, mine))} bytes from {msg.src} "
+                    "already wait to be taken"
+                )
+            mine = [m for m in mine if m is not worst]
+            self.inbox = [m for m in self.inbox if m is not worst]
+            self._drop(msg.src, "over the backlog", f"a waiting frame of round {worst.round}", "")
+
+    def _drop(self, src: int | None, cause: str, what: str, why: str) -> None:
+        """Count a dropped frame; log the first of each sender and cause, the tenth, the
+        hundredth, ... (a flood is reported, not logged frame by frame)."""
+        self.dropped[src, cause] += 1
+        n = self.dropped[src, cause]
+        if n == 10 ** (len(str(n)) - 1):
+            who = "" if src is None else f" in {self.topology.name(src)}'s name"
+            why = f": {why}" if why else ""
+            log.warning("%s dropped %s%s%s (%s: %d so far)", self.name, what, who, why, cause, n)
