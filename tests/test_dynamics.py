@@ -324,7 +324,7 @@ def test_a_trace_naming_an_unknown_peer_is_refused(tmp_path, capsys):
     path.write_text(yaml.safe_dump(BASE | {"network": {"churn": {"trace": "trace.csv"}}}))
     assert main(["run", str(path), "--out", str(tmp_path / "out"), "--quiet"]) == 2
     err = capsys.readouterr().err
-    assert "network.churn.trace: trace.csv row 2: unknown peer 12" in err
+    assert f"network.churn.trace: {tmp_path / 'trace.csv'} line 2: unknown peer 12" in err
     assert not (tmp_path / "out").exists()
 
 

@@ -83,7 +83,7 @@ def test_a_default_output_that_is_a_file_is_a_one_line_error(runs, tmp_path, cap
     [
         (None, "not a finished run: No such file or directory: {}"),
         ("peer,class_0,total\n0,x,3\n", "{} line 2: column 'class_0' is 'x', not a int"),
-        ("peer,class_0,total\n0,3\n", "{} line 2: column 'total' is None, not a int"),
+        ("peer,class_0,total\n0,3\n", "{} line 2: 2 fields; its header has 3"),
         ("peer,total\n0,3\n", "{}: no peer or no class column"),
     ],
 )

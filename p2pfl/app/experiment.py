@@ -57,6 +57,12 @@ def _within(prefix: str, fn: Any, *args: Any) -> Any:
         raise e.within(prefix) from None
 
 
+def reason(e: BaseException) -> str:
+    """``e``'s text, or its type's name where it has none (a ``MemoryError``): no failure
+    is ever told with an empty reason."""
+    return str(e) or type(e).__name__
+
+
 def build(config: dict[str, Any], transport: str = "sim") -> Setup:
     """Build the method, peers, topology, model and data of a resolved config.
 
@@ -108,6 +114,8 @@ def build(config: dict[str, Any], transport: str = "sim") -> Setup:
             network = None  # reliable and static: the run is exactly one without the section
     try:
         method.check(topology, seed)
+    except TopologyMisfit as e:  # keyed by the method's own key (its aggregator's)
+        raise e.within("algorithm") from None
     except ConfigError as e:
         raise TopologyMisfit(e.key, e.message).within("topology") from None
     return Setup(
@@ -173,7 +181,7 @@ def run(
         raise
     except Exception as e:
         summary |= {"status": "failed", "error": f"{type(e).__name__}: {e}"}
-        raise RunError(f"run failed: {e}") from e
+        raise RunError(f"run failed: {reason(e)}") from e
     finally:
         reporters.close()
         if not comm and (out / "comm.csv").is_file():  # cut short: count what is on disk
@@ -260,7 +268,7 @@ def _simulate(
         if ranks is not None and ranks.rank == 0:  # keep the rows held behind deferred scores
             with contextlib.suppress(Exception):  # the run's own error is the one to report
                 worker.settle(alone=True)
-        raise RunError(f"at t={runtime.now:.3f}s: {e}") from e
+        raise RunError(f"at t={runtime.now:.3f}s: {reason(e)}") from e
     finally:
         worker.close()
         ledger.close()

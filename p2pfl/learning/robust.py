@@ -18,14 +18,14 @@ inputs every rule returns that input, bit for bit.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 from torch import Tensor
 
-from p2pfl.core.errors import ConfigError
+from p2pfl.core.errors import ConfigError, TopologyMisfit
 from p2pfl.core.options import Registry, bind
 from p2pfl.learning.state import State, average_states
 
@@ -40,6 +40,26 @@ class Aggregator:
         self, center: State, others: Sequence[State], weights: Sequence[float], center_weight: float
     ) -> State:
         raise NotImplementedError
+
+    def too_few(self, n: int) -> tuple[str, str] | None:
+        """Why ``n`` models are too few for the rule as set: (its key, the need); None
+        where they are enough (a rule with no need on n: always)."""
+        return None
+
+    def check_inputs(self, inputs: Mapping[str, int]) -> None:
+        """Raise ``TopologyMisfit`` (key ``aggregator.KEY``) where the topology gives a node
+        too few models to combine, every round: ``inputs`` maps each aggregating node (as
+        a phrase, "the server", "peer 3") to that number, its own model included where it
+        takes part. Fewer arriving at run time (churn, a deadline) is no error."""
+        short: dict[str, tuple[int, tuple[str, str]]] = {}
+        for node, n in inputs.items():
+            if (why := self.too_few(n)) is not None:
+                short[node] = (n, why)
+        if short:
+            key, need = next(iter(short.values()))[1]
+            shown = [f"{node} gets {n}" for node, (n, _) in list(short.items())[:3]]
+            more = f" (and {len(short) - 3} more)" if len(short) > 3 else ""
+            raise TopologyMisfit(key, f"{need}; {', '.join(shown)}{more}").within("aggregator")
 
 
 AGGREGATORS: Registry[type[Aggregator]] = Registry("aggregator")
@@ -123,6 +143,17 @@ class TrimmedMean(Aggregator):
         if self.b < 0:
             raise ConfigError("b", "must be >= 0")
 
+    def too_few(self, n: int) -> tuple[str, str] | None:
+        if n < 2 * self.b + 1:
+            return "b", f"trimmed_mean with b={self.b} needs 2b + 1 = {2 * self.b + 1} models"
+        return None
+
+    def check_inputs(self, inputs: Mapping[str, int]) -> None:
+        """Only where no node can trim ``b``: b shrinks where fewer models arrive, by
+        design, but a b that holds nowhere is a mistake."""
+        if all(self.too_few(n) is not None for n in inputs.values()):
+            super().check_inputs(inputs)
+
     def __call__(
         self, center: State, others: Sequence[State], weights: Sequence[float], center_weight: float
     ) -> State:
@@ -162,10 +193,24 @@ class Krum(Aggregator):
         if self.m < 1:
             raise ConfigError("m", "must be >= 1")
 
+    def tolerated(self, n: int) -> int:
+        """f, or where it is null the most Krum tolerates among ``n`` models."""
+        return max(0, (n - 3) // 2) if self.f is None else self.f
+
+    def too_few(self, n: int) -> tuple[str, str] | None:
+        """Krum needs n >= 2f + 3 (Blanchard et al., Prop. 1) and Multi-Krum m <= n − f
+        (more would take in an attacker's model)."""
+        f = self.tolerated(n)
+        if self.f is not None and n < 2 * f + 3:
+            return "f", f"krum with f={f} needs n >= 2f + 3 = {2 * f + 3} models"
+        if self.m > max(1, n - f):
+            return "m", f"multi-krum with m={self.m} needs n − f >= {self.m} models it can trust"
+        return None
+
     def select(self, states: Sequence[State]) -> list[int]:
         """The indices of the ``m`` best-scored states, best first."""
         n = len(states)
-        f = max(0, (n - 3) // 2) if self.f is None else self.f
+        f = self.tolerated(n)
         nearest = max(1, n - f - 2)
         flat = torch.stack([_flat(s) for s in states])
         dist = torch.cdist(flat, flat).square()

@@ -84,6 +84,12 @@ class DFedAvgM(Method):
     def total_rounds(self, num_peers: int) -> int:
         return self.rounds
 
+    def check(self, topology: Topology, seed: int) -> None:
+        """Also: each peer's neighbours and itself are enough for the aggregator as set."""
+        super().check(topology, seed)
+        inputs = {f"peer {p}": len(topology.neighbours(p)) + 1 for p in topology.peers}
+        self.rule.check_inputs(inputs)
+
     def transfers(self, plan: Plan) -> Iterator[Transfer]:
         """Round r (phase r): every peer sends its model to each neighbour, Σ_i deg(i)·M per
         round: N(N−1)·M on a mesh, 2N·M on a ring."""

@@ -48,6 +48,7 @@ from p2pfl.methods.effects import (
 )  # fmt: skip
 from p2pfl.methods.relaxed import RelaxedInit, local_round, parse_relaxed_init
 from p2pfl.network.plan import Plan, Transfer
+from p2pfl.network.topology import Topology
 
 
 @METHODS.register("fedavg")
@@ -84,12 +85,21 @@ class FedAvg(Method):
     def total_rounds(self, num_peers: int) -> int:
         return self.rounds
 
+    def check(self, topology: Topology, seed: int) -> None:
+        """Also: the server's K models a round are enough for the aggregator as set."""
+        super().check(topology, seed)
+        self.rule.check_inputs({"the server": self.cohort(len(topology.peers))})
+
+    def cohort(self, num_peers: int) -> int:
+        """K, the peers the server asks each round: ``participation`` of them, at least 1."""
+        return max(1, round_half(self.participation * num_peers))
+
     def sample(
         self, peers: list[int], seed: int, round: int, among: list[int] | None = None
     ) -> list[int]:
         """The peers taking part in ``round`` (seeded, sorted): K of ``peers``, or with a
         deadline as many of those reachable (``among``) as there are, up to K."""
-        k = max(1, round_half(self.participation * len(peers)))
+        k = self.cohort(len(peers))
         pool = peers if among is None else among
         if k >= len(pool):  # all of them: the draw would only shuffle them
             return sorted(pool)

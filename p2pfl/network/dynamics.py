@@ -34,7 +34,10 @@ from __future__ import annotations
 
 import bisect
 import csv
+import io
+import itertools
 import math
+from array import array
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
@@ -43,13 +46,19 @@ from typing import Any, Literal
 import networkx as nx
 import numpy as np
 
-from p2pfl.core.errors import ConfigError
+from p2pfl.core.errors import ConfigError, RunError
 from p2pfl.core.options import bind
 from p2pfl.core.seeding import derive_seed, numpy_rng
 from p2pfl.network.topology import Link, Topology, build_graph, parse_topology
 
 FATES = ("delivered", "lost", "offline", "crashed", "partitioned", "no_link")
 """What can happen to a message (``comm.csv``'s ``fate`` column)."""
+MIN_CYCLE_S = 1e-3
+"""The shortest mean online + offline cycle of churn: shorter sessions are no churn a
+message could meet, and a run of seconds would draw millions of them per peer."""
+MAX_SESSIONS = 10_000_000
+"""The most churn sessions a run draws, all peers together (80 MB): more ends the run with
+one line (sessions far too short for its length), not with a ``MemoryError``."""
 
 
 @dataclass(frozen=True)
@@ -67,6 +76,15 @@ class Distribution:
         for key in ("mean_s", "shape", "sigma"):
             if not getattr(self, key) > 0:
                 raise ConfigError(key, "must be > 0")
+        if self.dist == "weibull":  # what draw() computes from it must be a number
+            try:
+                math.gamma(1 + 1 / self.shape)
+            except OverflowError:
+                raise ConfigError(
+                    "shape", f"{self.shape:g} is too small (Γ(1 + 1/k) overflows)"
+                ) from None
+        if self.dist == "lognormal" and not math.isfinite(self.sigma * self.sigma):
+            raise ConfigError("sigma", f"{self.sigma:g} is too large (sigma² overflows)")
 
     def draw(self, rng: np.random.Generator) -> float:
         m = self.mean_s
@@ -126,7 +144,13 @@ class Churn:
             raise ConfigError("offline", "missing: give offline, offline_fraction or a trace")
         if self.trace is not None and (self.online or self.offline or self.offline_fraction):
             raise ConfigError("trace", "a trace replaces online/offline/offline_fraction")
-        self.sessions()  # checks both distributions
+        on, off = self.sessions()  # checks both distributions
+        cycle = on.mean_s + off.mean_s
+        if self.trace is None and self.offline_fraction != 0 and not cycle >= MIN_CYCLE_S:
+            raise ConfigError(
+                "", f"online and offline sessions average {on.mean_s:.3g} + {off.mean_s:.3g} s: "
+                f"a cycle must average at least {MIN_CYCLE_S:g} s (raise their mean_s)",
+            )  # fmt: skip
 
     def sessions(self) -> tuple[Distribution, Distribution]:
         """The online and offline session-length distributions."""
@@ -295,44 +319,66 @@ def _peer(value: Any, n: int, key: str) -> int:
 
 
 def read_trace(path: Path, n: int) -> dict[int, list[tuple[float, bool]]]:
-    """A churn trace: CSV rows ``time,peer,state`` (``up``/``down``, header optional)."""
+    """A churn trace: CSV rows ``time,peer,state`` (``up``/``down``, header optional); a
+    row that breaks them is a ``ConfigError`` naming the file and its line."""
     events: dict[int, list[tuple[float, bool]]] = {}
     try:
-        with open(path, newline="") as f:
-            rows = list(csv.reader(f))
+        data = path.read_bytes()
     except OSError as e:
         raise ConfigError("trace", f"cannot read {path}: {e.strerror}") from None
-    if rows and rows[0][:1] == ["time"]:
-        rows = rows[1:]
-    for line, row in enumerate(rows, start=1):
-        where = f"{path.name} row {line}"
-        if len(row) != 3:
-            raise ConfigError("trace", f"{where}: expected time,peer,state, got {row}")
-        try:
-            t, peer = float(row[0]), int(row[1])
-        except ValueError:
-            raise ConfigError("trace", f"{where}: time and peer must be numbers") from None
-        if not 0 <= peer < n:
-            raise ConfigError("trace", f"{where}: unknown peer {peer} (peers are 0..{n - 1})")
-        if t < 0 or row[2] not in ("up", "down"):
-            raise ConfigError("trace", f"{where}: needs a time >= 0 and state up or down")
-        events.setdefault(peer, []).append((t, row[2] == "up"))
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        raise ConfigError("trace", f"{path} line {line}: not UTF-8 text") from None
+    reader = csv.reader(io.StringIO(text, newline=""))
+    try:
+        for row in reader:
+            where = f"{path} line {reader.line_num}"
+            if reader.line_num == 1 and row[:1] == ["time"]:
+                continue
+            if len(row) != 3:
+                raise ConfigError("trace", f"{where}: expected time,peer,state, got {row}")
+            try:
+                t, peer = float(row[0]), int(row[1])
+            except ValueError:
+                raise ConfigError("trace", f"{where}: time and peer must be numbers") from None
+            if not 0 <= peer < n:
+                raise ConfigError("trace", f"{where}: unknown peer {peer} (peers are 0..{n - 1})")
+            if not 0 <= t < math.inf or row[2] not in ("up", "down"):
+                raise ConfigError(
+                    "trace", f"{where}: needs a finite time >= 0 and state up or down, got {row}"
+                )
+            events.setdefault(peer, []).append((t, row[2] == "up"))
+    except csv.Error as e:
+        raise ConfigError("trace", f"{path} line {reader.line_num}: not a CSV row ({e})") from None
     return {p: sorted(ev) for p, ev in events.items()}
 
 
 class _Sessions:
-    """One peer's online/offline switches, drawn lazily as far as the run asks."""
+    """One peer's online/offline switches, drawn lazily as far as the run asks; ``drawn``
+    counts the sessions of the whole run (at most :data:`MAX_SESSIONS`)."""
 
     def __init__(
-        self, on: Distribution, off: Distribution, rng: np.random.Generator, p_off: float
+        self,
+        on: Distribution,
+        off: Distribution,
+        rng: np.random.Generator,
+        p_off: float,
+        drawn: itertools.count[int],
     ) -> None:
-        self.on, self.off, self.rng = on, off, rng
+        self.on, self.off, self.rng, self.drawn = on, off, rng, drawn
         self.start_online = bool(rng.random() >= p_off)  # the stationary state at t = 0
-        self.switches: list[float] = []  # times at which the state flips
+        self.switches = array("d")  # times at which the state flips
         self.horizon = 0.0
 
     def _extend(self, t: float) -> None:
         while self.horizon <= t:
+            if next(self.drawn) >= MAX_SESSIONS:
+                raise RunError(
+                    f"network.churn: over {MAX_SESSIONS:,} sessions drawn by t={t:.6g} s: "
+                    "they are far too short for this run (raise their mean_s)"
+                )
             online = self.start_online == (len(self.switches) % 2 == 0)
             session = self.on if online else self.off
             first = not self.switches  # under way at t = 0: what is left of it
@@ -356,7 +402,7 @@ class _Trace(_Sessions):
 
     def __init__(self, events: list[tuple[float, bool]]) -> None:
         self.start_online = True
-        self.switches = []
+        self.switches = array("d")
         state = True
         for t, up in events:
             if up != state:
@@ -400,10 +446,11 @@ class Network:
                 peers = churn.peers if churn.peers is not None else topology.peers
                 for i, peer in enumerate(peers):
                     _peer(peer, n, f"churn.peers.{i}")
+                drawn = itertools.count()  # sessions drawn, all peers together
                 if churn.offline_fraction != 0:
                     for peer in peers:
                         rng = numpy_rng(seed, "churn", peer)
-                        self.sessions[peer] = _Sessions(on, off, rng, p_off)
+                        self.sessions[peer] = _Sessions(on, off, rng, p_off, drawn)
         self.crash_at: dict[int, float] = {}
         if config.crashes is not None:
             crashes: Crashes = _part(Crashes, config.crashes, "crashes")
@@ -464,7 +511,10 @@ class Network:
         s = self.sessions.get(node)
         if s is None:
             return [(0.0, crash)] if crash > 0 else []
-        s.online(crash)  # draws the sessions that far
+        try:
+            s.online(crash)  # draws the sessions that far
+        except RunError:  # the run ended on too many sessions: those it drew
+            crash = min(crash, s.horizon)
         out, start = [], 0.0 if s.start_online else None
         for t in s.switches:
             if t >= crash:

@@ -81,12 +81,13 @@ def _rows(
     columns: Mapping[str, Callable[[str], Any]],
     rest: Callable[[str], Any] | None = None,
 ) -> list[dict[str, str]]:
-    """A CSV file's rows, each checked to have ``columns`` readable as their types (and,
-    with ``rest``, the header's other columns as that)."""
+    """A CSV file's rows, each checked to have as many fields as its header and
+    ``columns`` readable as their types (and, with ``rest``, the header's other columns as
+    that); an error names the file and the line."""
     try:
         with path.open(newline="", encoding="utf-8") as f:
             reader = csv.DictReader(f)
-            rows = list(reader)
+            rows = [(reader.line_num, row) for row in reader]
             header = reader.fieldnames or []
     except (UnicodeDecodeError, csv.Error) as e:
         raise ConfigError("", f"{path}: not a CSV table ({e})") from None
@@ -95,16 +96,22 @@ def _rows(
         raise ConfigError("", f"{path}: no column {', '.join(missing)} in its header")
     if rest is not None:
         columns = dict.fromkeys(header, rest) | dict(columns)
-    for i, row in enumerate(rows, start=2):
+    for line, row in rows:
+        extra = row.pop(None, [])  # DictReader's surplus fields
+        given = sum(v is not None for v in row.values()) + len(extra)
+        if given != len(header):
+            raise ConfigError(
+                "", f"{path} line {line}: {given} fields; its header has {len(header)}"
+            )
         for column, read in columns.items():
             try:
                 read(row[column])
-            except (KeyError, TypeError, ValueError):
-                value = row.get(column)
+            except ValueError:
+                value = row[column]
                 raise ConfigError(
-                    "", f"{path} line {i}: column {column!r} is {value!r}, not a {read.__name__}"
+                    "", f"{path} line {line}: column {column!r} is {value!r}, not a {read.__name__}"
                 ) from None
-    return rows
+    return [row for _, row in rows]
 
 
 def _partition(path: Path) -> tuple[tuple[int, ...], ...]:

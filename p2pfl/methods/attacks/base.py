@@ -151,6 +151,11 @@ def build_adversary(options: dict[str, Any], topology: Topology, seed: int) -> A
         chosen = sorted(int(p) for p in rng.choice(candidates, k, replace=False))
     if not chosen:
         return None
+    if len(chosen) == len(candidates):  # nothing left to defend, nor to score
+        key = "peers" if options["peers"] is not None else "fraction"
+        raise ConfigError(
+            key, f"makes all {len(candidates)} data-holding peers attackers: no honest peer is left"
+        )
     attack = options["attack"]
     cls = ATTACKS.get(attack["name"])
     return Adversary(tuple(chosen), cls(**{k: v for k, v in attack.items() if k != "name"}))
