@@ -271,22 +271,47 @@ def test_the_window_follows_the_node_s_own_round(target):
     assert node.run(behaviour()).state is not None and node.rejected == 0
 
 
+def test_a_method_that_fails_on_a_believed_frame_ends_in_one_line(target):
+    """A well-formed model in node 0's name whose meta weight is no number: the method's
+    error, with the frame that caused it, not a traceback."""
+    node, sender = target
+    sender.send(encode(Message("model", 0, 1, 1, GOOD, {"weight": "x"})))
+
+    def behaviour():
+        (msg,) = yield Recv(round=1)
+        yield Finish(msg.tensors if float(msg.meta["weight"]) else {})
+
+    with pytest.raises(RunError) as e:
+        node.run(behaviour())
+    assert str(e.value) == (
+        "1's method failed on what it received (a model frame from 0 at round 1): "
+        "ValueError: could not convert string to float: 'x'"
+    )
+
+
 # --- whole runs: real processes on known ports ----------------------------------------------
 
 ROUNDS = 10
 RUN = BASE | {"peers": {"count": 3}, "algorithm": {"name": "fedavg", "rounds": ROUNDS},
               "transport": {"timeout_s": 3.0}}  # fmt: skip
-NODES = {"0": 0, "1": 1, "2": 2, "server": 3}  # a star of 3 peers
+STAR = ["server", "0", "1", "2"]  # the nodes of a star of 3 peers (the server is node 3)
 STATE = MODELS.get("mlp")((1, 8, 8), 10, hidden=(32,)).state_dict()
 
 
-def peer_run(tmp_path: Path, forged: dict[str, list[bytearray]]) -> subprocess.CompletedProcess:
-    """Run every node of ``RUN`` with one ``p2pfl peer`` command on known loopback ports, with
-    ``forged`` frames (by target node) queued on an attacker's sockets connected to those
-    ports: each node takes them in as soon as it binds, before any genuine frame."""
+def peer_run(
+    tmp_path: Path,
+    forged: dict[str, list[bytearray]],
+    sections: dict[str, Any] | None = None,
+    nodes: list[str] | None = None,
+) -> subprocess.CompletedProcess:
+    """Run every node of ``RUN`` (with ``sections``; ``nodes``: its node names) with one
+    ``p2pfl peer`` command on known loopback ports, with ``forged`` frames (by target node)
+    queued on an attacker's sockets connected to those ports: each node takes them in as soon
+    as it binds, before any genuine frame."""
     path, out = tmp_path / "exp.yaml", tmp_path / "out"
-    path.write_text(yaml.safe_dump(RUN))
-    addresses = {name: f"tcp://127.0.0.1:{free_port()}" for name in NODES}
+    path.write_text(yaml.safe_dump(RUN | (sections or {})))
+    nodes = nodes or STAR
+    addresses = {name: f"tcp://127.0.0.1:{free_port()}" for name in nodes}
     (tmp_path / "addresses.yaml").write_text(yaml.safe_dump(addresses))
     context = zmq.Context()
     try:
@@ -297,14 +322,8 @@ def peer_run(tmp_path: Path, forged: dict[str, list[bytearray]]) -> subprocess.C
             attacker.connect(addresses[name])
             for f in frames:
                 attacker.send(f)
-        cmd = [
-            "peer",
-            str(path),
-            "--peer",
-            "server,0-2",
-            "--addresses",
-            str(tmp_path / "addresses.yaml"),
-        ]
+        table = str(tmp_path / "addresses.yaml")
+        cmd = ["peer", str(path), "--peer", ",".join(nodes), "--addresses", table]
         return p2pfl(*cmd, "--out", str(out), timeout=120)
     finally:
         context.destroy(linger=0)
@@ -394,3 +413,20 @@ def test_a_stopped_peer_of_a_network_run_ends_the_launcher_soon_after_the_others
     assert elapsed <= rounds * period + 2.0 + timeout + 4.0, elapsed  # 7.4 s when written
     summary = json.loads((out / "summary.json").read_text())
     assert summary["status"] == "failed" and "peer 1 did not end" in summary["error"]
+
+
+def test_a_push_sum_run_fed_a_weight_that_is_no_number_fails_in_one_line(tmp_path):
+    """Push-sum reads each share's weight from its meta: a forged share whose weight is a
+    string ends the run with one line naming the frame (it was a ValueError traceback)."""
+    forged = encode(Message("model", 0, 1, 1, STATE, {"weight": "x"}))
+    ring = {"topology": {"kind": "ring"}, "algorithm": {"name": "pushsum", "rounds": 3}}
+    done = peer_run(tmp_path, {"1": [forged]}, ring, ["0", "1", "2"])
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    assert (
+        done.stderr.strip()
+        .splitlines()[-1]
+        .startswith(
+            "error: peer 1 failed: 1's method failed on what it received (a model frame from 0 at "
+            "round 1"
+        )
+    ), done.stderr

@@ -248,13 +248,26 @@ class ZmqNode:
         return time.time() - self.t0
 
     def run(self, behaviour: Behaviour) -> Finish:
-        """Drive the behaviour to its end; a timeout or bad send raises ``RunError``."""
+        """Drive the behaviour to its end; a timeout or bad send raises ``RunError``, and so
+        does a method that fails on the messages it was just handed: a frame in a
+        neighbour's name is believed, and a well-formed one may still hold what the method
+        cannot use (a ``meta`` weight that is no number), which names them, in one line."""
         value: Any = None
         while True:
             try:
                 eff = behaviour.send(value)
             except StopIteration:
                 break
+            except Exception as e:
+                if not (isinstance(value, list) and value and isinstance(value[0], Message)):
+                    raise
+                name = self.topology.name
+                took = [f"a {m.kind} frame from {name(m.src)} at round {m.round}" for m in value]
+                took = took[:3] + ["..."] * (len(took) > 3)
+                raise RunError(
+                    f"{self.name}'s method failed on what it received ({', '.join(took)}): "
+                    f"{type(e).__name__}: {e}"
+                ) from None
             value = None
             if isinstance(r := getattr(eff, "round", None), int) and r > self.round:
                 self.round = r
