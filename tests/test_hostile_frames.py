@@ -356,16 +356,28 @@ def test_a_far_future_stop_with_a_huge_meta_is_no_stop(tmp_path):
 
 
 def test_a_forged_stop_within_the_window_is_named_when_the_run_fails(tmp_path):
-    """A well-formed stop in the server's name is believed (no CURVE), so peer 2 stops and
-    the server's wait times out: the run's one line names the stop, not only "a peer died
-    or never came up?"."""
-    stop = encode(Message("control", 3, 2, 2, {}, {"stop": True}))
+    """A well-formed stop in the server's name, at the last round, is believed (no CURVE), so
+    peer 2 stops and the server's wait times out: the run's one line names the stop, not
+    only "a peer died or never came up?"."""
+    stop = encode(Message("control", 3, 2, ROUNDS, {}, {"stop": True}))
     done = peer_run(tmp_path, {"2": [stop]})
     assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
     last = done.stderr.strip().splitlines()[-1]
-    assert last.startswith("error:") and "peer server failed: server waited 3 s" in last, last
-    assert last.endswith("; peer 2 stopped on a stop frame from server at round 2"), last
-    assert result(tmp_path, "2")["stop"] == {"from": "server", "round": 2}
+    assert last.startswith("error: peer ") and " waited 3 s for " in last, last  # 0 or server
+    assert last.endswith(f"; peer 2 stopped on a stop frame from server at round {ROUNDS}"), last
+    assert result(tmp_path, "2")["stop"] == {"from": "server", "round": ROUNDS}
+
+
+@pytest.mark.parametrize(
+    "meta,round", [({"stop": True}, 1), ({"stop": 1}, ROUNDS), ({}, ROUNDS)],
+    ids=["an-early-round", "stop-not-true", "no-stop-key"],
+)  # fmt: skip
+def test_a_control_frame_that_is_not_the_servers_stop_is_passed_over(tmp_path, meta, round):
+    """A FedAvg client stops only on the server's form of stop (``stop: true`` at the last
+    round): a forged control of any other form is passed over and the run ends well."""
+    done = peer_run(tmp_path, {"2": [encode(Message("control", 3, 2, round, {}, meta))]})
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
+    assert result(tmp_path, "2")["status"] == "ok"
 
 
 def test_a_stopped_peer_of_a_network_run_ends_the_launcher_soon_after_the_others(tmp_path):

@@ -47,6 +47,7 @@ from p2pfl.methods.effects import (
     Train,
 )  # fmt: skip
 from p2pfl.methods.relaxed import RelaxedInit, local_round, parse_relaxed_init
+from p2pfl.network.message import Message
 from p2pfl.network.plan import Plan, Transfer
 from p2pfl.network.topology import Topology
 
@@ -141,7 +142,9 @@ class FedAvg(Method):
         while msgs := (yield Recv(kinds=("model", "control"), deadline=last_end)):
             (msg,) = msgs
             if msg.kind == "control":
-                break
+                if self.is_stop(msg):
+                    break
+                continue
             held, upload = yield from local_round(
                 self.relaxed, self.local_train, msg.tensors, held, ctx.trainable, msg.round
             )
@@ -166,12 +169,19 @@ class FedAvg(Method):
             yield Send(p, "control", self.rounds, {}, {"stop": True})
         yield Finish(state, output=True)
 
+    def is_stop(self, msg: Message) -> bool:
+        """The server's word to stop: a ``stop`` control at the last round (a control frame of
+        any other form, which only a forger sends, is passed over)."""
+        return msg.meta.get("stop") is True and msg.round == self.rounds
+
     def client(self, ctx: NodeContext) -> Behaviour:
         held = ctx.init_state()  # the last local model (FedInit's per-peer state)
         while True:
             (msg,) = yield Recv(kinds=("model", "control"))
             if msg.kind == "control":
-                break
+                if self.is_stop(msg):
+                    break
+                continue
             held, upload = yield from local_round(
                 self.relaxed, self.local_train, msg.tensors, held, ctx.trainable, msg.round
             )
