@@ -308,8 +308,8 @@ def _run(args: argparse.Namespace, threads: int) -> int:
     check_fresh(out, args.force)
     setup = _setup(args, args.transport)
     if spread:
-        _check_spread(setup)
-    with _claimed(out, args.force), _ranks(args.workers, threads, setup) as ranks:
+        _check_spread(setup, max(args.workers, _world()[0]))
+    with _ranks(args.workers, threads, setup) as ranks, _claimed(out, args.force):
         summary = run(setup, out, not args.quiet, args.transport, ranks)
     _say(setup.config["name"], summary, out)
     return 0
@@ -383,22 +383,77 @@ def cmd_merge(args: argparse.Namespace) -> int:
 
 
 MAX_WORKERS = 1024
+"""The most ranks one run may have (``--workers``, torchrun's ``WORLD_SIZE``)."""
+RANKS_PER_CORE = 4
+"""``--workers`` at most per usable core: more only share the cores (no faster), each
+costing a process's memory; 4 lets a laptop check results on several ranks."""
+RANK_MEMORY = 64 << 20
+"""The least memory a forked rank (or sweep cell) takes of its own: the quick-start's rank
+takes 25 MB; a larger model or data takes more (a floor that stops the absurd, not a promise)."""
 
 
 def _world() -> tuple[int, int]:
-    """``(WORLD_SIZE, RANK)`` as ``torchrun`` sets them; ``(1, 0)`` for one process."""
+    """``(WORLD_SIZE, RANK)`` as ``torchrun`` sets them, checked (a rank that cannot exist
+    would wait for the others for ever); ``(1, 0)`` for one process."""
+    env = os.environ
     try:
-        return int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+        world, rank = int(env.get("WORLD_SIZE", "1")), int(env.get("RANK", "0"))
     except ValueError:
-        raise ConfigError("WORLD_SIZE, RANK", "must be integers (torchrun sets them)") from None
+        shown = ", ".join(f"{k}={env.get(k, '')[:24]!r}" for k in ("WORLD_SIZE", "RANK"))
+        raise ConfigError(
+            "WORLD_SIZE, RANK", f"must be integers (torchrun sets them), got {shown}"
+        ) from None
+    if not 1 <= world <= MAX_WORKERS:
+        raise ConfigError("WORLD_SIZE", f"must be in 1..{MAX_WORKERS}, got {_shown(world)}")
+    if not 0 <= rank < world:
+        raise ConfigError(
+            "RANK", f"must be in 0..{world - 1} (WORLD_SIZE={world}), got {_shown(rank)}"
+        )
+    return world, rank
+
+
+def _check_rendezvous(world: int) -> None:
+    """The rest of torchrun's variables, where a rank is about to join ``world`` ranks."""
+    if not os.environ.get("MASTER_ADDR"):
+        raise ConfigError(
+            "MASTER_ADDR", "is not set: the address of rank 0's host (torchrun sets it)"
+        )
+    _env_int("MASTER_PORT", 1, 65_535)
+    local_world = _env_int("LOCAL_WORLD_SIZE", 1, world, default=world)
+    _env_int("LOCAL_RANK", 0, local_world - 1, default=0)
+
+
+def _env_int(name: str, low: int, high: int, default: int | None = None) -> int:
+    """The environment variable ``name``, an integer in ``low..high`` (or ``default`` where
+    it is unset; required where there is none)."""
+    text = os.environ.get(name)
+    if text is None and default is not None:
+        return default
+    try:
+        value = int(text or "")
+    except ValueError:
+        raise ConfigError(
+            name, f"must be an integer in {low}..{high}, got {str(text)[:24]!r}"
+        ) from None
+    if not low <= value <= high:
+        raise ConfigError(name, f"must be in {low}..{high}, got {_shown(value)}")
+    return value
+
+
+def _shown(n: int) -> str:
+    """An integer for an error line, cut short if it is huge."""
+    text = str(n)
+    return text if len(text) <= 24 else f"{text[:20]}... ({len(text)} digits)"
 
 
 def _check_workers(args: argparse.Namespace, sweep: bool) -> bool:
     """Whether this run is spread over ranks (``--workers``, or started by ``torchrun``);
-    a sweep's ``--workers`` runs that many of its cells at a time instead."""
+    a sweep's ``--workers`` runs that many of its cells at a time instead. Either way
+    ``--workers`` processes must fit this host's cores and memory."""
     if not 1 <= args.workers <= MAX_WORKERS:
         raise ConfigError("--workers", f"must be in 1..{MAX_WORKERS}, got {args.workers}")
-    under_torchrun = _world()[0] > 1
+    world = _world()[0]
+    under_torchrun = world > 1
     if args.workers > 1 and under_torchrun:
         raise ConfigError("--workers", "torchrun already starts the ranks; leave --workers out")
     if under_torchrun and sweep:
@@ -406,13 +461,47 @@ def _check_workers(args: argparse.Namespace, sweep: bool) -> bool:
     spread = args.workers > 1 or under_torchrun
     if spread and args.transport != "sim":
         raise ConfigError("--workers", "spreads a simulation (--transport sim)")
+    if args.workers > 1:
+        _check_host(args.workers)
+    if spread and not sweep:  # checked before anything is loaded
+        from p2pfl.runtime.children import join_timeout
+
+        if under_torchrun:
+            _check_rendezvous(world)
+        join_timeout()
     return spread and not sweep
 
 
-def _check_spread(setup: Setup) -> None:
-    """A run spread over ranks needs simulated compute times that every rank agrees on."""
+def _check_host(workers: int) -> None:
+    """``--workers`` processes that this host's cores and free memory can run."""
+    from p2pfl.runtime.children import available_memory, usable_cores
+
+    cores = usable_cores()
+    if workers > RANKS_PER_CORE * cores:
+        raise ConfigError(
+            "--workers",
+            f"{workers} processes on {cores} usable core(s): at most {RANKS_PER_CORE * cores} "
+            f"({RANKS_PER_CORE} per core; more only share the cores)",
+        )
+    free = available_memory()
+    if free is not None and workers * RANK_MEMORY > free:
+        raise ConfigError(
+            "--workers",
+            f"{workers} processes need at least {workers * RANK_MEMORY >> 20:,} MiB "
+            f"({RANK_MEMORY >> 20} MiB each); {free >> 20:,} MiB are free: at most "
+            f"{max(1, free // RANK_MEMORY)}",
+        )
+
+
+def _check_spread(setup: Setup, ranks: int) -> None:
+    """A run spread over ``ranks`` needs simulated compute times that every rank agrees on,
+    and a peer for each rank to train (a rank beyond them would only cost memory)."""
     if setup.population.compute != "model":  # wall-clock compute differs by rank
         raise ConfigError("--workers", "needs peers.compute: model")
+    peers = setup.topology.num_peers
+    if ranks > peers:
+        key = "--workers" if _world()[0] == 1 else "WORLD_SIZE"
+        raise ConfigError(key, f"{ranks} ranks for {peers} peers: at most one rank per peer")
 
 
 NVML_CHECK = "PYTORCH_NVML_BASED_CUDA_CHECK"
@@ -501,7 +590,7 @@ def _helper_rank(args: argparse.Namespace) -> int:
 
     _check_workers(args, bool(load(args.experiment, args.sets, args.seed)[1]))
     setup = _setup(args, "sim")
-    _check_spread(setup)
+    _check_spread(setup, _world()[0])
     _rank_run(setup, Ranks.from_env())
     return 0
 

@@ -27,6 +27,7 @@ import csv
 import functools
 import itertools
 import json
+import math
 import os
 import re
 import signal
@@ -39,10 +40,12 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from tqdm import tqdm
 
 from p2pfl.app.config import SECTIONS, read_experiment, resolve, set_path
 from p2pfl.app.experiment import build, empty, run
 from p2pfl.core.errors import ConfigError, RunError, TopologyMisfit
+from p2pfl.core.yaml_io import parse_yaml, yaml_problem
 from p2pfl.data.datasets import loaded_once
 from p2pfl.reporting.reporters import ended_well
 
@@ -54,6 +57,12 @@ MAX_NAME_BYTES = 255  # a file name, on every file system we know
 REASON_CHARS = 2000
 """A failed cell's reason as a forked cell reports it, at most: its row stays well inside the
 64 KiB a pipe holds, so the cell's one write never waits for the sweep to read."""
+MAX_CELLS = 10_000
+"""The most cells one sweep may have. Each is checked as a run is built (10 to 50 ms on a
+laptop: minutes for 10,000) and is then a run and a directory of its own: a larger grid is
+a typo, or work for several sweeps (each resumable) or a cluster's scheduler."""
+PROGRESS_DELAY_S = 2.0
+"""A sweep's check shows its bar on stderr once it has lasted this long (short ones stay quiet)."""
 STOP_GRACE_S = 10.0
 """How long a stopped sweep waits for its running cells, all together, to write their outputs
 and end."""
@@ -87,6 +96,11 @@ def split(raw: dict[str, Any]) -> tuple[dict[str, Any], dict[str, list[Any]]]:
             raise ConfigError(f"sweep.{key}", "must be a section or a dotted key path")
         if not isinstance(values, list) or not values:
             raise ConfigError(f"sweep.{key}", "must be a non-empty list of values")
+    size = math.prod(len(values) for values in grid.values())
+    if size > MAX_CELLS:
+        raise ConfigError(
+            "sweep", f"{size:,} cells; the limit is {MAX_CELLS:,}: split the grid into sweeps"
+        )
     return base, grid
 
 
@@ -95,7 +109,7 @@ def base_config(raw: dict[str, Any], file: Path) -> dict[str, Any]:
     file without ``sweep:``, resolved once every cell has been checked as a sweep checks it."""
     base, grid = split(raw)
     with loaded_once():
-        misfits(cells(base, grid, file), file, "sim")
+        checked(base, grid, file, "sim")
     return resolve(base, file)
 
 
@@ -104,12 +118,28 @@ def load(
 ) -> tuple[dict[str, Any], dict[str, list[Any]]]:
     """The experiment's raw mapping (``--set``/``--seed`` applied) and its ``sweep:``
     section (empty when there is none)."""
-    raw = read_experiment(path, sets, seed)
+    raw = _read(path, sets, seed)
     try:
         return split(raw)
     except ConfigError as e:
         e.file = e.file or str(path)
         raise
+
+
+def _read(path: str | Path, sets: Sequence[str], seed: int | None) -> dict[str, Any]:
+    """The experiment file with ``--set`` and ``--seed`` applied, once every ``--set`` value
+    that a file would refuse for what it asks (a tag such as ``!!python/object``, a key
+    twice) is refused alike: taken as plain text, it hid the refusal. A value that is not
+    YAML at all stays a string, as typed."""
+    for assignment in sets:
+        try:
+            parse_yaml(assignment.partition("=")[2])
+        except yaml.constructor.ConstructorError as e:
+            shown = f"{assignment[:80]}..." if len(assignment) > 80 else assignment
+            raise ConfigError("--set", f"{shown!r}: {yaml_problem(e)}", str(path)) from None
+        except yaml.YAMLError:
+            pass
+    return read_experiment(path, sets, seed)
 
 
 def label(value: Any) -> str:
@@ -139,8 +169,31 @@ def apply(raw: dict[str, Any], values: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def cells(raw: dict[str, Any], grid: dict[str, list[Any]], file: Path) -> list[Cell]:
-    """Every cell of the grid with its resolved config; a bad cell is a ``ConfigError``."""
+def checked(
+    raw: dict[str, Any],
+    grid: dict[str, list[Any]],
+    file: Path,
+    transport: str,
+    progress: bool = False,
+) -> tuple[list[Cell], dict[str, str]]:
+    """Every cell resolved, then built once (the validation phase); the cells, and those
+    whose method does not fit the topology with the reason (:func:`misfits`). With
+    ``progress``, a check that lasts over :data:`PROGRESS_DELAY_S` shows bars on stderr."""
+    count = functools.partial(
+        tqdm, unit="cell", delay=PROGRESS_DELAY_S, leave=False, disable=not progress
+    )
+    todo = cells(raw, grid, file, count)
+    return todo, misfits(count(todo, desc="checking cells"), file, transport)
+
+
+def cells(
+    raw: dict[str, Any],
+    grid: dict[str, list[Any]],
+    file: Path,
+    count: Callable[..., Iterable[Any]] = lambda items, **_: items,
+) -> list[Cell]:
+    """Every cell of the grid with its resolved config; a bad cell is a ``ConfigError``.
+    ``count`` wraps the cells as they are resolved (a progress bar)."""
     for key, choices in grid.items():
         names = [label(v) for v in choices]
         if len(set(names)) != len(names):
@@ -148,7 +201,9 @@ def cells(raw: dict[str, Any], grid: dict[str, list[Any]], file: Path) -> list[C
                 f"sweep.{key}", f"two values share a directory label: {names}", str(file)
             )
     out = []
-    for combo in itertools.product(*grid.values()):
+    combos = itertools.product(*grid.values())
+    total = math.prod(map(len, grid.values()))
+    for combo in count(combos, total=total, desc="resolving cells"):
         values = dict(zip(grid, combo, strict=True))
         cell = Cell(values, {k: label(v) for k, v in values.items()})
         if len(cell.name.encode()) > MAX_NAME_BYTES:  # refused, not hashed: names stay readable
@@ -171,7 +226,7 @@ def _in_cell(e: ConfigError, cell: Cell, file: Path) -> ConfigError:
     return ConfigError(f"{e.key} (sweep cell {cell.name})", e.message, e.file or str(file))
 
 
-def misfits(todo: list[Cell], file: Path, transport: str) -> dict[str, str]:
+def misfits(todo: Iterable[Cell], file: Path, transport: str) -> dict[str, str]:
     """Build every cell once (the validation phase); return the cells whose method does not
     fit the topology, with the reason. Any other bad cell is a ``ConfigError`` naming it."""
     skipped = {}
@@ -290,8 +345,7 @@ def run_sweep(
     torch threads); write the tables and figures. Returns the exit code: 1 if a cell's run
     failed, else 0."""
     with loaded_once():  # every cell is built twice: checked first, then run
-        todo = cells(raw, grid, file)
-        skipped = misfits(todo, file, transport)
+        todo, skipped = checked(raw, grid, file, transport, progress)
         with claim():
             done: Iterable[tuple[int, dict[str, Any]]]
             if workers > 1:
@@ -438,7 +492,7 @@ def load_experiment(
     """Read, override and resolve an experiment file (a sweep file as its base, once every
     cell has resolved); errors carry the file name."""
     file = Path(path)
-    raw = read_experiment(file, sets, seed)
+    raw = _read(file, sets, seed)
     try:
         return base_config(raw, file) if "sweep" in raw else resolve(raw, file)
     except ConfigError as e:

@@ -17,8 +17,9 @@ by name, once per sweep cell), and it may import its own helper modules.
 :func:`load_plugins` returns the list resolved for the run's ``config.yaml`` (module names
 as given, files as absolute paths), from which ZeroMQ children, ``p2pfl peer`` on other
 hosts, sweep cells and ``p2pfl cost`` import the same plug-ins. Every failure (a missing
-file, a syntax error, an exception at import, a name registered twice) is a one-line
-``ConfigError`` on the key ``plugins``.
+file, a syntax error, an exception at import, ``sys.exit`` at import, a name registered
+twice) is a one-line ``ConfigError`` on the key ``plugins``. An import that lasts more than
+:data:`SLOW_IMPORT_S` is named on stderr; Ctrl-C ends it as an interrupt that names it.
 """
 
 from __future__ import annotations
@@ -27,7 +28,10 @@ import importlib
 import importlib.metadata
 import importlib.util
 import sys
+import threading
 import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +40,9 @@ from p2pfl.core.yaml_io import find_file
 
 GROUP = "p2pfl.plugins"
 """The entry-point group of installed plug-ins."""
+SLOW_IMPORT_S = 5.0
+"""After this long importing one plug-in, stderr says which (one that never ends would hang
+with no word)."""
 
 _installed_loaded = False
 
@@ -59,7 +66,10 @@ def load_installed() -> None:
     for ep in importlib.metadata.entry_points(group=GROUP):
         where = f"entry point {ep.name} = {ep.value} of {getattr(ep.dist, 'name', '?')}"
         try:
-            ep.load()
+            with _importing(where):
+                ep.load()
+        except ConfigError as e:
+            raise ConfigError("plugins", f"{where}: {e.message}") from None
         except Exception as e:
             raise ConfigError("plugins", f"{where}: {_describe(e)}") from None
     _installed_loaded = True
@@ -68,29 +78,60 @@ def load_installed() -> None:
 def _load(entry: str, experiment: Path) -> str:
     """Import one ``plugins:`` entry; return its resolved form."""
     try:
-        if entry.endswith(".py"):
-            path = find_file(entry, experiment)
-            if path is None:
-                raise ConfigError(
-                    "", "no such file (looked in ., next to the experiment file and above)"
-                )
-            return _import_file(path.resolve())
-        if not all(part.isidentifier() for part in entry.split(".")):
-            raise ConfigError("", "neither a .py file nor a dotted module name")
-        if _on_sys_path(entry):
-            importlib.import_module(entry)
-            return entry
-        rel = Path(*entry.split("."))
-        path = find_file(f"{rel}.py", experiment) or find_file(str(rel / "__init__.py"), experiment)
-        if path is None:
-            raise ConfigError(
-                "", f"no module named {entry!r} on sys.path or next to the experiment file"
-            )
-        return _import_file(path.resolve())
+        with _importing(entry):
+            return _find_and_import(entry, experiment)
     except ConfigError as e:  # ours, or a plug-in registering a name that exists
         raise ConfigError("plugins", f"{entry}: {e.message}") from None
     except Exception as e:
         raise ConfigError("plugins", f"{entry}: {_describe(e)}") from None
+
+
+@contextmanager
+def _importing(what: str) -> Iterator[None]:
+    """Around one plug-in's import: named on stderr if it lasts :data:`SLOW_IMPORT_S`; its
+    ``sys.exit`` is an error (a run would end with exit 0 and nothing written); Ctrl-C or
+    SIGTERM end it as an interrupt that names it."""
+    timer = threading.Timer(SLOW_IMPORT_S, _say_slow, (what,))
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    except SystemExit as e:
+        raise ConfigError("", f"called sys.exit({e.code!r}) while imported") from None
+    except KeyboardInterrupt as e:
+        raise KeyboardInterrupt(f"{str(e) or 'SIGINT'} while importing plug-in {what}") from None
+    finally:
+        timer.cancel()
+
+
+def _say_slow(what: str) -> None:
+    sys.stderr.write(
+        f"p2pfl: still importing plug-in {what} after {SLOW_IMPORT_S:g} s (Ctrl-C stops it)\n"
+    )
+    sys.stderr.flush()
+
+
+def _find_and_import(entry: str, experiment: Path) -> str:
+    """Find one ``plugins:`` entry (a file, or a module) and import it."""
+    if entry.endswith(".py"):
+        path = find_file(entry, experiment)
+        if path is None:
+            raise ConfigError(
+                "", "no such file (looked in ., next to the experiment file and above)"
+            )
+        return _import_file(path.resolve())
+    if not all(part.isidentifier() for part in entry.split(".")):
+        raise ConfigError("", "neither a .py file nor a dotted module name")
+    if _on_sys_path(entry):
+        importlib.import_module(entry)
+        return entry
+    rel = Path(*entry.split("."))
+    path = find_file(f"{rel}.py", experiment) or find_file(str(rel / "__init__.py"), experiment)
+    if path is None:
+        raise ConfigError(
+            "", f"no module named {entry!r} on sys.path or next to the experiment file"
+        )
+    return _import_file(path.resolve())
 
 
 def _on_sys_path(name: str) -> bool:

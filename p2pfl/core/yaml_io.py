@@ -85,6 +85,13 @@ def _count(value: Any, budget: list[int]) -> None:
             stack.extend(item)
 
 
+def yaml_problem(e: yaml.YAMLError) -> str:
+    """Why YAML text is refused, in one line, with its line where the parser knows it."""
+    mark = getattr(e, "problem_mark", None)
+    where = f" at line {mark.line + 1}" if mark else ""
+    return f"not valid YAML{where}: {getattr(e, 'problem', e)}"
+
+
 def read_yaml(path: Path, what: str = "file") -> dict[str, Any]:
     """Read a YAML mapping; a missing or malformed file is a ``ConfigError`` naming it."""
     if not path.is_file():
@@ -107,11 +114,7 @@ def read_yaml(path: Path, what: str = "file") -> dict[str, Any]:
     try:
         data = parse_yaml(text)
     except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" at line {mark.line + 1}" if mark else ""
-        raise ConfigError(
-            "", f"not valid YAML{where}: {getattr(e, 'problem', e)}", str(path)
-        ) from None
+        raise ConfigError("", yaml_problem(e), str(path)) from None
     if data is None:
         data = {}
     if not isinstance(data, dict):

@@ -12,6 +12,7 @@ import contextlib
 import ctypes
 import functools
 import gc
+import math
 import os
 import select
 import signal
@@ -24,7 +25,7 @@ import traceback
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-from p2pfl.core.errors import RunError
+from p2pfl.core.errors import ConfigError, RunError
 
 LAUNCHER_PID = "P2PFL_LAUNCHER_PID"
 """The environment variable that tells a child the launcher's process id."""
@@ -202,6 +203,55 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+JOIN_ENV = "P2PFL_JOIN_TIMEOUT_S"
+"""The environment variable that bounds how long a rank waits for the others to join."""
+JOIN_S = 300.0
+"""Its default: time to start the same command on every host by hand."""
+MAX_JOIN_S = 86_400.0  # a day: longer is a typo (milliseconds)
+
+
+def join_timeout() -> float:
+    """How long a rank waits for the others to join (``P2PFL_JOIN_TIMEOUT_S`` seconds, or
+    :data:`JOIN_S`): a rank whose others never start ends then, with one line."""
+    text = os.environ.get(JOIN_ENV, "")
+    if not text:
+        return JOIN_S
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = math.nan
+    if not 0 < seconds <= MAX_JOIN_S:  # NaN too
+        raise ConfigError(JOIN_ENV, f"must be seconds in (0, {MAX_JOIN_S:g}], got {text[:40]!r}")
+    return seconds
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity, where the system tells it)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+CGROUP_MEMORY = [
+    ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),  # cgroup v2
+    ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"),
+]
+"""A container's memory limit and use, as cgroups v2 and v1 show them to the processes in it."""
+
+
+def available_memory() -> int | None:
+    """Bytes of memory that new processes can still take: the system's ``MemAvailable``, or
+    less where a container's limit allows less; ``None`` where none of it can be read."""
+    found = []
+    with contextlib.suppress(OSError, ValueError, StopIteration), open("/proc/meminfo") as f:
+        found.append(int(next(x for x in f if x.startswith("MemAvailable:")).split()[1]) << 10)
+    for limit, used in CGROUP_MEMORY:
+        with contextlib.suppress(OSError, ValueError), open(limit) as a, open(used) as b:
+            found.append(int(a.read()) - int(b.read()))  # ValueError: "max", no limit
+    return min(found) if found else None
 
 
 def rank_threads(n: int) -> int:

@@ -25,6 +25,10 @@ from __future__ import annotations
 import hashlib
 import heapq
 import os
+import socket
+import sys
+import tempfile
+import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -36,6 +40,7 @@ import torch.distributed as dist
 from p2pfl.core.errors import RunError
 from p2pfl.learning.state import State, state_bytes
 from p2pfl.learning.training import TrainResult
+from p2pfl.runtime.children import JOIN_ENV, join_timeout
 
 _FIGURES = 5
 """Numbers sent beside each trained state: its validation accuracy, samples trained and
@@ -68,19 +73,7 @@ class Ranks:
             return None
         rank = int(env["RANK"])
         if not dist.is_initialized():
-            # torchrun's agent may hold the store itself: its ranks join through env://
-            address = (
-                None if env is os.environ else f"tcp://{env['MASTER_ADDR']}:{env['MASTER_PORT']}"
-            )
-            try:
-                dist.init_process_group(
-                    "gloo", init_method=address, rank=rank, world_size=world, timeout=TIMEOUT
-                )
-            except (RuntimeError, ValueError) as e:  # gloo's errors are RuntimeErrors
-                raise RunError(
-                    f"rank {rank} of {world} could not reach the others ({_reason(e)}); "
-                    "on several hosts, set GLOO_SOCKET_IFNAME to the interface between them"
-                ) from None
+            _join(env, rank, world)
         before = torch.get_num_threads()
         if threads:
             torch.set_num_threads(threads)
@@ -190,6 +183,64 @@ class Ranks:
             dist.destroy_process_group()
         if self.threads_before:
             torch.set_num_threads(self.threads_before)
+
+
+def _join(env: Mapping[str, str], rank: int, world: int) -> None:
+    """Join the others, or end within the join bound (:func:`join_timeout`) with one line:
+    a rank above 0 first waits for rank 0's store to listen, then every rank waits for the
+    rest; the collectives' own timeout comes after."""
+    join = join_timeout()
+    deadline = time.monotonic() + join
+    host, port = env["MASTER_ADDR"], int(env["MASTER_PORT"])
+    late = f"rank {rank} of {world} could not join the others within {join:g} s ({JOIN_ENV})"
+    if rank > 0 and not _listening(host, port, deadline):
+        raise RunError(f"{late}: no rank 0 answered at {host}:{port}")
+    # torchrun's agent may hold the store itself: its ranks join through env://
+    address = None if env is os.environ else f"tcp://{host}:{port}"
+    wait = timedelta(seconds=max(1.0, deadline - time.monotonic()))
+    try:
+        with _cpp_logs_held():
+            dist.init_process_group(
+                "gloo", init_method=address, rank=rank, world_size=world, timeout=wait
+            )
+    except dist.DistError as e:  # the rendezvous: a rank never came, or rank 0 gave up
+        raise RunError(f"{late}: {_reason(e)}") from None
+    except (RuntimeError, ValueError) as e:  # gloo's errors are RuntimeErrors
+        raise RunError(
+            f"rank {rank} of {world} could not reach the others ({_reason(e)}); "
+            "on several hosts, set GLOO_SOCKET_IFNAME to the interface between them"
+        ) from None
+    dist.set_timeout(TIMEOUT)
+
+
+@contextmanager
+def _cpp_logs_held() -> Iterator[None]:
+    """c10d's C++ logs (warnings with stack traces, written to file descriptor 2 while a
+    rank waits for the others) held back: written after a join that succeeds, dropped after
+    one that fails, whose one error line names the cause."""
+    sys.stderr.flush()
+    stderr = os.dup(2)
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(stderr, 2)
+            os.close(stderr)
+        held.seek(0)
+        os.write(2, held.read())
+
+
+def _listening(host: str, port: int, deadline: float) -> bool:
+    """Whether ``host:port`` accepts a connection before ``deadline`` (monotonic seconds)."""
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=1.0):
+                return True
+        except OSError:
+            if time.monotonic() + 0.2 >= deadline:
+                return False
+            time.sleep(0.2)
 
 
 def _reason(e: Exception) -> str:
