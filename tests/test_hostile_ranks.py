@@ -320,6 +320,21 @@ def test_a_tag_in_set_is_refused_by_cost_too(tmp_path):
     assert not out.exists()
 
 
+@pytest.mark.parametrize("case", list(TAGS))
+def test_a_tag_in_cost_methods_is_refused_as_in_a_file(tmp_path, case):
+    """``cost --methods NAME:KEY=VALUE`` read a tagged value as a plain string, as ``--set``
+    did: refused alike, with the same reason, nothing written."""
+    text, reason = TAGS[case]
+    value = text.partition("=")[2].replace("{marker}", str(tmp_path / "ran"))
+    out = tmp_path / "out"
+    pair = f"rounds={value}"
+    code, err, _ = p2pfl("cost", exp_file(tmp_path), "--methods", f"fedavg:{pair}", "--out", out)
+    assert code == 2, err
+    line = one_line(err)  # --methods splits items at ':', so a tag may be cut there
+    assert line.startswith("error: --methods: 'rounds=") and reason.split(":")[0] in line, line
+    assert not out.exists() and not (tmp_path / "ran").exists()
+
+
 # --- sweeps: a documented size, and a check that shows its progress -------------------------
 
 HUGE = {  # the grid, and its number of cells

@@ -19,7 +19,7 @@ import yaml
 from p2pfl.core.errors import ConfigError
 from p2pfl.core.options import bind, bind_with_common
 from p2pfl.core.plugins import load_plugins
-from p2pfl.core.yaml_io import find_file, parse_yaml, read_yaml
+from p2pfl.core.yaml_io import find_file, read_yaml, typed_value, yaml_problem
 from p2pfl.data.datasets import DATASETS, take_subsets
 from p2pfl.data.federated import SplitOptions
 from p2pfl.data.partition import PARTITIONERS
@@ -53,7 +53,8 @@ MAX_NAME_BYTES = 200  # runs/NAME-seedN must stay a valid file name
 
 
 def apply_set(config: dict[str, Any], assignment: str) -> None:
-    """Apply one ``--set a.b.c=value`` (the value is parsed as YAML: numbers, lists, ...)."""
+    """Apply one ``--set a.b.c=value`` (the value is parsed as YAML: numbers, lists, ...;
+    :func:`typed_value`: what a file would refuse is refused alike)."""
     key, sep, raw = assignment.partition("=")
     if not sep or not key or any(not part for part in key.split(".")):
         raise ConfigError("--set", f"expected key.path=value, got {assignment!r}")
@@ -62,9 +63,10 @@ def apply_set(config: dict[str, Any], assignment: str) -> None:
     except UnicodeEncodeError:  # bytes that are not UTF-8 on the command line
         raise ConfigError("--set", f"is not valid UTF-8: {assignment!r}") from None
     try:
-        value = parse_yaml(raw)
-    except yaml.YAMLError:
-        value = raw
+        value = typed_value(raw)
+    except yaml.constructor.ConstructorError as e:
+        shown = f"{assignment[:80]}..." if len(assignment) > 80 else assignment
+        raise ConfigError("--set", f"{shown!r}: {yaml_problem(e)}") from None
     set_path(config, key, value)
 
 

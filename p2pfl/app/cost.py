@@ -26,7 +26,7 @@ import yaml
 from p2pfl.core.errors import ConfigError
 from p2pfl.core.options import bind
 from p2pfl.core.seeding import derive_seed
-from p2pfl.core.yaml_io import parse_yaml
+from p2pfl.core.yaml_io import typed_value, yaml_problem
 from p2pfl.methods import METHODS
 from p2pfl.methods.base import Method
 from p2pfl.methods.cost_only import COST_ONLY
@@ -65,9 +65,9 @@ def parse_methods(text: str) -> list[tuple[str, str, dict[str, Any]]]:
             if not sep or not key:
                 raise ConfigError("--methods", f"expected NAME:KEY=VALUE, got {item!r}")
             try:
-                keys[key] = parse_yaml(value)
-            except yaml.YAMLError:
-                keys[key] = value
+                keys[key] = typed_value(value)
+            except yaml.constructor.ConstructorError as e:
+                raise ConfigError("--methods", f"{pair!r}: {yaml_problem(e)}") from None
         out.append((item, name, keys))
     if not out:
         raise ConfigError("--methods", "names no method")

@@ -45,7 +45,6 @@ from tqdm import tqdm
 from p2pfl.app.config import SECTIONS, read_experiment, resolve, set_path
 from p2pfl.app.experiment import build, empty, run
 from p2pfl.core.errors import ConfigError, RunError, TopologyMisfit
-from p2pfl.core.yaml_io import parse_yaml, yaml_problem
 from p2pfl.data.datasets import loaded_once
 from p2pfl.reporting.reporters import ended_well
 
@@ -118,28 +117,12 @@ def load(
 ) -> tuple[dict[str, Any], dict[str, list[Any]]]:
     """The experiment's raw mapping (``--set``/``--seed`` applied) and its ``sweep:``
     section (empty when there is none)."""
-    raw = _read(path, sets, seed)
+    raw = read_experiment(path, sets, seed)
     try:
         return split(raw)
     except ConfigError as e:
         e.file = e.file or str(path)
         raise
-
-
-def _read(path: str | Path, sets: Sequence[str], seed: int | None) -> dict[str, Any]:
-    """The experiment file with ``--set`` and ``--seed`` applied, once every ``--set`` value
-    that a file would refuse for what it asks (a tag such as ``!!python/object``, a key
-    twice) is refused alike: taken as plain text, it hid the refusal. A value that is not
-    YAML at all stays a string, as typed."""
-    for assignment in sets:
-        try:
-            parse_yaml(assignment.partition("=")[2])
-        except yaml.constructor.ConstructorError as e:
-            shown = f"{assignment[:80]}..." if len(assignment) > 80 else assignment
-            raise ConfigError("--set", f"{shown!r}: {yaml_problem(e)}", str(path)) from None
-        except yaml.YAMLError:
-            pass
-    return read_experiment(path, sets, seed)
 
 
 def label(value: Any) -> str:
@@ -492,7 +475,7 @@ def load_experiment(
     """Read, override and resolve an experiment file (a sweep file as its base, once every
     cell has resolved); errors carry the file name."""
     file = Path(path)
-    raw = _read(file, sets, seed)
+    raw = read_experiment(file, sets, seed)
     try:
         return base_config(raw, file) if "sweep" in raw else resolve(raw, file)
     except ConfigError as e:

@@ -85,6 +85,19 @@ def _count(value: Any, budget: list[int]) -> None:
             stack.extend(item)
 
 
+def typed_value(text: str) -> Any:
+    """A value typed on the command line (``--set``, ``cost --methods``): read as YAML, or
+    kept as typed where it is not YAML at all; what a file would refuse for what it asks (a
+    tag such as ``!!python/object``, a key twice) raises ``yaml.constructor.ConstructorError``
+    alike, since taken as plain text it would hide the refusal."""
+    try:
+        return parse_yaml(text)
+    except yaml.constructor.ConstructorError:
+        raise
+    except yaml.YAMLError:
+        return text
+
+
 def yaml_problem(e: yaml.YAMLError) -> str:
     """Why YAML text is refused, in one line, with its line where the parser knows it."""
     mark = getattr(e, "problem_mark", None)
