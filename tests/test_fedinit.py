@@ -257,3 +257,34 @@ def test_bad_relaxed_init_keys_name_themselves(relaxed, key):
     with pytest.raises(ConfigError) as err:
         build(experiment(algorithm=fedavg(relaxed_init=relaxed)))
     assert err.value.key == key
+
+
+def test_relaxed_init_beats_fedavg_on_skewed_digits(tmp_path):
+    """The paper's ordering at toy scale, in about 3 s: FedAvg + FedInit (β = 0.1) above FedAvg
+    in every seed of 0-3 and by ≥ 2 points on the mean, with 20 peers, Dirichlet(0.1) label
+    skew, 25 % per round, 30 rounds, uniform averaging. Measured (FedAvg / FedInit): 89.72 /
+    92.78, 87.50 / 92.78, 90.83 / 93.06, 87.78 / 91.39 (mean gap +3.54; seed 4: +1.67).
+    Without the relaxed start the two runs are the same run. The claims tier checks the
+    ordering on Fashion-MNIST (tests/test_claims_papers.py)."""
+    gaps = []
+    for seed in range(4):
+        acc = []
+        for beta in (0.0, 0.1):
+            setup = build(
+                experiment(
+                    seed=seed,
+                    partition={"name": "peer_dirichlet", "alpha": 0.1},
+                    peers={"count": 20},
+                    algorithm=fedavg(
+                        rounds=30,
+                        participation=0.25,
+                        weighting="uniform",
+                        relaxed_init={"beta": beta},
+                    ),
+                    train=MOMENTUM | {"batch_size": 16},
+                )
+            )
+            acc.append(run(setup, tmp_path / f"{seed}-{beta}")["final"]["accuracy"])
+        assert acc[1] > acc[0], (seed, acc)
+        gaps.append(acc[1] - acc[0])
+    assert sum(gaps) / len(gaps) >= 0.02, gaps
