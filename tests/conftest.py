@@ -20,6 +20,7 @@ import torch  # noqa: E402
 
 from p2pfl.app.config import resolve  # noqa: E402
 from p2pfl.app.experiment import build, run  # noqa: E402
+from p2pfl.runtime.sim import SimRuntime  # noqa: E402
 
 torch.set_num_threads(1)
 
@@ -74,6 +75,29 @@ def experiment(**sections: dict[str, Any] | int | str) -> dict[str, Any]:
 def run_experiment(out: Path, **sections: dict[str, Any] | int | str) -> dict[str, Any]:
     """Build and run a digits experiment into ``out``; returns summary.json's content."""
     return run(build(experiment(**sections)), out)
+
+
+def sim_runtimes(monkeypatch: pytest.MonkeyPatch) -> list[SimRuntime]:
+    """Every ``SimRuntime`` made from now on in this test, kept to read its nodes' ends."""
+    runtimes: list[SimRuntime] = []
+    init = SimRuntime.__init__
+
+    def spy(self: SimRuntime, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        runtimes.append(self)
+
+    monkeypatch.setattr(SimRuntime, "__init__", spy)
+    return runtimes
+
+
+def finals(
+    monkeypatch: pytest.MonkeyPatch, out: Path, **sections: Any
+) -> tuple[dict[str, Any], dict[int, Any]]:
+    """Run a digits experiment; its summary and every node's final model (``Finish.state``)."""
+    runtimes = sim_runtimes(monkeypatch)
+    summary = run_experiment(out, **sections)
+    (runtime,) = runtimes
+    return summary, {n: f.state for n, f in runtime.finals.items()}
 
 
 needs_fmnist = pytest.mark.skipif(

@@ -10,29 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from conftest import experiment, run_experiment
+from conftest import experiment, finals, run_experiment
 from p2pfl.app.experiment import build
-from p2pfl.runtime.sim import SimRuntime
 
 
 def rows(path: Path) -> list[dict[str, str]]:
     with open(path, newline="") as f:
         return list(csv.DictReader(f))
-
-
-def finals(monkeypatch, out: Path, **sections) -> tuple[dict, dict]:
-    """Run a digits experiment; its summary and every node's final model (``Finish.state``)."""
-    runtimes = []
-    init = SimRuntime.__init__
-
-    def spy(self, *args, **kwargs):
-        init(self, *args, **kwargs)
-        runtimes.append(self)
-
-    monkeypatch.setattr(SimRuntime, "__init__", spy)
-    summary = run_experiment(out, **sections)
-    (runtime,) = runtimes
-    return summary, {n: f.state for n, f in runtime.finals.items()}
 
 
 @pytest.mark.parametrize(

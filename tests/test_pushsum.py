@@ -8,34 +8,18 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import run_experiment
+from conftest import finals, run_experiment, sim_runtimes
 from p2pfl.methods.base import NodeContext
 from p2pfl.methods.effects import Evaluate, Finish, Neighbours, Now, Recv, Send, Train
 from p2pfl.methods.pushsum import PushSum, weight_meta
 from p2pfl.network.message import Message
 from p2pfl.network.topology import build_topology
-from p2pfl.runtime.sim import SimRuntime
 
 SECTIONS = {
     "partition": {"name": "dirichlet", "alpha": 0.5},
     "topology": {"kind": "ring"},
     "peers": {"count": 6},
 }
-
-
-def finals(monkeypatch, out, **sections) -> tuple[dict, dict]:
-    """Run a digits experiment; its summary and every node's final model (``Finish.state``)."""
-    runtimes = []
-    init = SimRuntime.__init__
-
-    def spy(self, *args, **kwargs):
-        init(self, *args, **kwargs)
-        runtimes.append(self)
-
-    monkeypatch.setattr(SimRuntime, "__init__", spy)
-    summary = run_experiment(out, **sections)
-    (runtime,) = runtimes
-    return summary, {n: f.state for n, f in runtime.finals.items()}
 
 
 def metric_rows(out) -> list[tuple[str, ...]]:
@@ -75,7 +59,7 @@ def assert_same_evaluations(a: list[tuple[str, ...]], b: list[tuple[str, ...]]) 
 
 
 @pytest.mark.xfail(strict=True, reason="float32 shares against DFedAvgM's float64 mixing "
-                   "(FLOAT32_ROUNDING): reported to the lead; strict, so a fix shows")  # fmt: skip
+                   "(FLOAT32_ROUNDING); strict, so an exact fix shows")  # fmt: skip
 def test_push_sum_equals_dfedavgm_on_a_ring_bit_for_bit(tmp_path, monkeypatch):
     algorithm = {"rounds": 3}
     _, ps = finals(
@@ -143,14 +127,7 @@ def test_late_shares_are_added_at_the_next_receive(tmp_path, monkeypatch, networ
     or was online when its receiver took it for offline) is added at the receiver's next
     receive, as SGP adds whatever has arrived: the only shares left unread at the end are
     those that came after their receiver's last receive (its last evaluation)."""
-    runtimes = []
-    init = SimRuntime.__init__
-
-    def spy(self, *args, **kwargs):
-        init(self, *args, **kwargs)
-        runtimes.append(self)
-
-    monkeypatch.setattr(SimRuntime, "__init__", spy)
+    runtimes = sim_runtimes(monkeypatch)
     rounds = 8
     run_experiment(
         tmp_path,
