@@ -28,7 +28,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from p2pfl.core.errors import ConfigError, RunError
 
@@ -131,6 +131,7 @@ def _experiment_args(p: argparse.ArgumentParser) -> None:
         help="override any key, e.g. --set partition.alpha=0.1 (repeatable)",
     )
     p.add_argument("--seed", type=int, help="override the experiment's seed")
+    p.set_defaults(given=None)  # the file's contents, where Python gives them (p2pfl.app.library)
 
 
 def _setup(args: argparse.Namespace, transport: str = "sim"):
@@ -139,7 +140,7 @@ def _setup(args: argparse.Namespace, transport: str = "sim"):
     from p2pfl.app.experiment import build
     from p2pfl.app.sweep import load_experiment
 
-    config = load_experiment(args.experiment, args.sets, args.seed)
+    config = load_experiment(args.experiment, args.sets, args.seed, args.given)
     try:
         return build(config, transport)
     except ConfigError as e:
@@ -285,41 +286,62 @@ def cmd_run(args: argparse.Namespace) -> int:
     world, rank = _world()
     if world > 1 and rank > 0:
         return _helper_rank(args)
-    with _fork_safe(args.workers) as threads:
-        return _run(args, threads)
+    done = execute(args)
+    if done.summary is not None:
+        _say(done.summary, done.out)
+    return done.code
 
 
-def _run(args: argparse.Namespace, threads: int) -> int:
+@dataclasses.dataclass(frozen=True)
+class Done:
+    """What ``p2pfl run`` did: where it wrote, a run's summary (``None`` for a sweep), and
+    the exit code."""
+
+    out: Path
+    summary: dict[str, Any] | None
+    code: int
+
+
+def execute(args: argparse.Namespace, sweep: bool | None = None) -> Done:
+    """``p2pfl run`` (this process alone, or rank 0): one experiment or a sweep, checked
+    before anything is written. The command line and :func:`p2pfl.app.library.run` both run
+    this. ``sweep``: refuse an experiment that is not (``True``) or is (``False``) a sweep."""
     from p2pfl.app.experiment import run
     from p2pfl.app.sweep import load, run_sweep
 
-    raw, grid = load(args.experiment, args.sets, args.seed)
-    spread = _check_workers(args, bool(grid))
-    if grid:
-        out = output_dir(args.out or f"runs/{raw.get('name', Path(args.experiment).stem)}")
-        check_fresh(out, args.force, sweep=True)
-        file = Path(args.experiment)
-        claim = lambda: _claimed(out, args.force)  # noqa: E731 - taken once every cell is checked
-        return run_sweep(
-            file, raw, grid, out, not args.quiet, args.transport, claim, args.workers, threads
-        )
-    name = raw.get("name", Path(args.experiment).stem)
-    out = output_dir(args.out or f"runs/{name}-seed{raw.get('seed', 0)}")
-    check_fresh(out, args.force)
-    setup = _setup(args, args.transport)
-    if spread:
-        _check_spread(setup, max(args.workers, _world()[0]))
-    with _ranks(args.workers, threads, setup) as ranks, _claimed(out, args.force):
-        summary = run(setup, out, not args.quiet, args.transport, ranks)
-    _say(setup.config["name"], summary, out)
-    return 0
+    with _fork_safe(args.workers) as threads:
+        raw, grid = load(args.experiment, args.sets, args.seed, args.given)
+        if sweep is not None and sweep != bool(grid):
+            use = "p2pfl.sweep" if grid else "p2pfl.run, or add a sweep: section"
+            raise ConfigError(
+                "sweep", f"this is {'' if grid else 'not '}a sweep: use {use}", args.experiment
+            )
+        spread = _check_workers(args, bool(grid))
+        if grid:
+            out = output_dir(args.out or f"runs/{raw.get('name', Path(args.experiment).stem)}")
+            check_fresh(out, args.force, sweep=True)
+            file = Path(args.experiment)
+            claim = lambda: _claimed(out, args.force)  # noqa: E731 - taken once every cell is checked
+            code = run_sweep(
+                file, raw, grid, out, not args.quiet, args.transport, claim, args.workers, threads
+            )
+            return Done(out, None, code)
+        name = raw.get("name", Path(args.experiment).stem)
+        out = output_dir(args.out or f"runs/{name}-seed{raw.get('seed', 0)}")
+        check_fresh(out, args.force)
+        setup = _setup(args, args.transport)
+        if spread:
+            _check_spread(setup, max(args.workers, _world()[0]))
+        with _ranks(args.workers, threads, setup) as ranks, _claimed(out, args.force):
+            summary = run(setup, out, not args.quiet, args.transport, ranks)
+    return Done(out, summary, 0)
 
 
-def _say(name: str, summary: dict, out: Path) -> None:
+def _say(summary: dict, out: Path) -> None:
     """The one line a finished run prints."""
     comm = summary["comm"]
     print(
-        f"{name}: {summary['algorithm']} on {summary['num_peers']} peers "
+        f"{summary['experiment']}: {summary['algorithm']} on {summary['num_peers']} peers "
         f"({summary['topology']}), final accuracy {summary['final']['accuracy']:.4f}, "
         f"{comm['total_bytes']:,} bytes in {comm['messages']} messages, "
         f"simulated {summary['sim_time_s']:.2f} s, wall {summary['wall_time_s']:.1f} s -> {out}"
@@ -378,7 +400,7 @@ def cmd_merge(args: argparse.Namespace) -> int:
     with _locked(out):
         empty(out, keep=(LOCK, "peers"))
         summary = run(setup, out, transport="zmq", gathered=files)
-    _say(setup.config["name"], summary, out)
+    _say(summary, out)
     return 0
 
 
@@ -588,7 +610,7 @@ def _helper_rank(args: argparse.Namespace) -> int:
     from p2pfl.app.sweep import load
     from p2pfl.runtime.ranks import Ranks
 
-    _check_workers(args, bool(load(args.experiment, args.sets, args.seed)[1]))
+    _check_workers(args, bool(load(args.experiment, args.sets, args.seed, args.given)[1]))
     setup = _setup(args, "sim")
     _check_spread(setup, _world()[0])
     _rank_run(setup, Ranks.from_env())
@@ -697,6 +719,19 @@ def cmd_keys(args: argparse.Namespace) -> int:
 
 def cmd_cost(args: argparse.Namespace) -> int:
     from p2pfl.app import cost
+
+    setup, rows, out = cost_table(args)
+    print(cost.sizes_line(setup, args.model_bytes))
+    print(cost.format_table(rows))
+    print(f"wrote {out / 'cost.csv'}, cost.png and cost.svg")
+    return 0
+
+
+def cost_table(args: argparse.Namespace) -> tuple[Setup, list[dict[str, Any]], Path]:
+    """``p2pfl cost``'s work: the built experiment, the table's rows and the directory
+    where ``cost.csv`` and its chart were written (the command line and
+    :func:`p2pfl.app.library.cost` both run this)."""
+    from p2pfl.app import cost
     from p2pfl.reporting import plots
 
     if args.peers is not None:
@@ -713,10 +748,7 @@ def cmd_cost(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     cost.write_csv(rows, out / "cost.csv")
     plots.cost_chart(rows, out)
-    print(cost.sizes_line(setup, args.model_bytes))
-    print(cost.format_table(rows))
-    print(f"wrote {out / 'cost.csv'}, cost.png and cost.svg")
-    return 0
+    return setup, rows, out
 
 
 def cmd_plot(args: argparse.Namespace) -> int:

@@ -220,14 +220,23 @@ def _network(options: dict[str, Any], file: Path) -> dict[str, Any]:
 
 
 def read_experiment(
-    path: str | Path, sets: Sequence[str] = (), seed: int | None = None
+    path: str | Path,
+    sets: Sequence[str | tuple[str, Any]] = (),
+    seed: int | None = None,
+    given: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """An experiment file's raw mapping with ``--set`` and ``--seed`` applied."""
+    """An experiment file's raw mapping with ``--set`` and ``--seed`` applied (a ``--set``
+    from Python is a ``(key.path, value)`` pair); ``given``, if any, stands for the file's
+    contents (an experiment from Python, :mod:`p2pfl.app.library`: ``path`` then only names
+    it and anchors its relative paths)."""
     file = Path(path)
     try:
-        raw = read_yaml(file, "experiment file")
-        for assignment in sets:
-            apply_set(raw, assignment)
+        raw = read_yaml(file, "experiment file") if given is None else copy.deepcopy(given)
+        for assignment in sets:  # --set text, or (key, value) from Python
+            if isinstance(assignment, str):
+                apply_set(raw, assignment)
+            else:
+                set_path(raw, *assignment)
         if seed is not None:
             raw["seed"] = seed
         return raw

@@ -113,11 +113,14 @@ def base_config(raw: dict[str, Any], file: Path) -> dict[str, Any]:
 
 
 def load(
-    path: str | Path, sets: Sequence[str] = (), seed: int | None = None
+    path: str | Path,
+    sets: Sequence[str | tuple[str, Any]] = (),
+    seed: int | None = None,
+    given: dict[str, Any] | None = None,
 ) -> tuple[dict[str, Any], dict[str, list[Any]]]:
     """The experiment's raw mapping (``--set``/``--seed`` applied) and its ``sweep:``
-    section (empty when there is none)."""
-    raw = read_experiment(path, sets, seed)
+    section (empty when there is none); ``given``: the file's contents from Python."""
+    raw = read_experiment(path, sets, seed, given)
     try:
         return split(raw)
     except ConfigError as e:
@@ -470,12 +473,16 @@ def _spread(calls: list[Callable[[], object]], workers: int) -> None:
 
 
 def load_experiment(
-    path: str | Path, sets: Sequence[str] = (), seed: int | None = None
+    path: str | Path,
+    sets: Sequence[str | tuple[str, Any]] = (),
+    seed: int | None = None,
+    given: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Read, override and resolve an experiment file (a sweep file as its base, once every
-    cell has resolved); errors carry the file name."""
+    cell has resolved); errors carry the file name. ``given``: the file's contents from
+    Python."""
     file = Path(path)
-    raw = read_experiment(file, sets, seed)
+    raw = read_experiment(file, sets, seed, given)
     try:
         return base_config(raw, file) if "sweep" in raw else resolve(raw, file)
     except ConfigError as e:

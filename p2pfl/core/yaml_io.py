@@ -124,14 +124,20 @@ def read_yaml(path: Path, what: str = "file") -> dict[str, Any]:
         raise ConfigError(
             "", f"not UTF-8 text (byte {raw[e.start]:#04x} at offset {e.start})", str(path)
         ) from None
+    return parse_mapping(text, str(path))
+
+
+def parse_mapping(text: str, name: str) -> dict[str, Any]:
+    """YAML text that must hold a mapping (a file's, or text given from Python); a
+    ``ConfigError`` naming ``name`` if it does not."""
     try:
         data = parse_yaml(text)
     except yaml.YAMLError as e:
-        raise ConfigError("", yaml_problem(e), str(path)) from None
+        raise ConfigError("", yaml_problem(e), name) from None
     if data is None:
         data = {}
     if not isinstance(data, dict):
-        raise ConfigError("", "must be a YAML mapping of keys", file=str(path))
+        raise ConfigError("", "must be a YAML mapping of keys", file=name)
     return data
 
 
