@@ -40,8 +40,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import report  # noqa: E402
 
+import p2pfl  # noqa: E402
 from p2pfl.app.config import resolve  # noqa: E402
-from p2pfl.app.experiment import build, run  # noqa: E402
+from p2pfl.app.experiment import build  # noqa: E402
 from p2pfl.core.seeding import torch_generator  # noqa: E402
 from p2pfl.learning import batched  # noqa: E402
 from p2pfl.learning.state import average_states  # noqa: E402
@@ -229,9 +230,8 @@ def whole_run(config: dict, flag: bool, device: str) -> tuple[float, float]:
     cfg = copy.deepcopy(config)
     cfg["peers"]["batched"] = flag
     cfg["peers"]["device"] = device
-    setup = build(resolve(cfg, Path("batched.yaml")))
     with tempfile.TemporaryDirectory() as out:
-        summary = run(setup, Path(out))
+        summary = p2pfl.run(cfg, out=out).summary
     return summary["wall_time_s"], summary["final"]["accuracy"]
 
 

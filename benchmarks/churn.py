@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import copy
 import cProfile
-import csv
 import io
 import os
 import pstats
@@ -46,8 +45,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import report  # noqa: E402
 
+import p2pfl  # noqa: E402
 from p2pfl.app.config import resolve  # noqa: E402
-from p2pfl.app.experiment import _simulate, build, run  # noqa: E402
+from p2pfl.app.experiment import _simulate, build  # noqa: E402
 from p2pfl.reporting.reporters import open_reporters  # noqa: E402
 
 CONFIG: dict[str, Any] = {
@@ -80,14 +80,11 @@ def config(case: str, peers: int) -> dict[str, Any]:
 def once(case: str, peers: int) -> dict[str, Any]:
     """One run of ``case``: its summary (``wall_time_s`` is the run alone: no build, no
     partition figure) and the trainings (model uploads) in its ``comm.csv``."""
-    setup = build(resolve(config(case, peers), Path("churn.yaml")))
     with tempfile.TemporaryDirectory() as out:
-        summary = run(setup, Path(out))
-        with open(Path(out) / "comm.csv", newline="") as f:
-            summary["trainings"] = sum(
-                r["kind"] == "model" and r["src"] != "server" for r in csv.DictReader(f)
-            )
-    return summary
+        result = p2pfl.run(config(case, peers), out=out)
+        comm = result.comm
+    uploads = (comm["kind"] == "model") & (comm["src"] != "server")
+    return result.summary | {"trainings": int(uploads.sum())}
 
 
 def profiled(case: str, peers: int) -> tuple[str, float, float]:

@@ -27,8 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 from common import report  # noqa: E402
 
-from p2pfl.app.config import resolve  # noqa: E402
-from p2pfl.app.experiment import build, run  # noqa: E402
+import p2pfl  # noqa: E402
 from p2pfl.learning import training  # noqa: E402
 from p2pfl.learning.training import TrainConfig  # noqa: E402
 
@@ -68,9 +67,8 @@ def overheads(config: dict, repeats: int, with_torch_optim: bool) -> list[list]:
             [("torch.optim", torch_optim)] if with_torch_optim else []
         ):
             training.optimizer = make  # type: ignore[assignment]
-            setup = build(resolve(config, Path("overhead.yaml")))
             with tempfile.TemporaryDirectory() as out:
-                summary = run(setup, Path(out))
+                summary = p2pfl.run(config, out=out).summary
             wall, floor = summary["wall_time_s"], summary["compute_wall_s"]
             if i:
                 rows.append([name, i, wall, floor, (wall - floor) / floor])
