@@ -176,9 +176,9 @@ def test_a_bad_argument_is_one_error_line(tmp_path, capsys, argv, key):
     run_refused(tmp_path, capsys, exp_file(tmp_path), argv, key)
 
 
-def test_a_long_name_is_refused_before_the_default_directory_is_made(tmp_path, capsys):
+def test_a_long_name_is_refused_before_the_default_directory_is_made(tmp_path, capsys, monkeypatch):
     path = exp_file(tmp_path, name="n" * 300)
-    os.chdir(tmp_path)
+    monkeypatch.chdir(tmp_path)  # os.chdir left every later test in tmp_path
     refused(capsys, ["run", str(path), "--quiet"], "name")
     assert not (tmp_path / "runs").exists()
 

@@ -153,10 +153,11 @@ def test_cost_gives_the_command_lines_table(tmp_path):
     assert table.attrs["out"] == tmp_path / "api"
 
 
-def test_sweep_gives_the_command_lines_tables_and_each_cells_result(tmp_path, capsys):
+def test_sweep_gives_the_command_lines_tables_and_each_cells_result(tmp_path, capsys, monkeypatch):
     """A two-cell sweep (two seeds): the table and cells are the CLI's sweep.csv and
     cells.csv (wall times aside); each cell's Result is its directory's run. ``p2pfl.run``
     refuses a sweep, ``p2pfl.sweep`` an experiment that is none."""
+    monkeypatch.chdir(ROOT)  # the quick-start's relative topology file is found from here
     raw = yaml.safe_load(QUICKSTART.read_text())
     raw["algorithm"]["rounds"] = 2
     file = tmp_path / "sweep.yaml"

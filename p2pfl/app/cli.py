@@ -306,10 +306,10 @@ def execute(args: argparse.Namespace, sweep: bool | None = None) -> Done:
     """``p2pfl run`` (this process alone, or rank 0): one experiment or a sweep, checked
     before anything is written. The command line and :func:`p2pfl.app.library.run` both run
     this. ``sweep``: refuse an experiment that is not (``True``) or is (``False``) a sweep."""
-    from p2pfl.app.experiment import run
-    from p2pfl.app.sweep import load, run_sweep
+    with _fork_safe(args.workers) as threads:  # first: it must see whether torch is imported
+        from p2pfl.app.experiment import run
+        from p2pfl.app.sweep import load, run_sweep
 
-    with _fork_safe(args.workers) as threads:
         raw, grid = load(args.experiment, args.sets, args.seed, args.given)
         if sweep is not None and sweep != bool(grid):
             use = "p2pfl.sweep" if grid else "p2pfl.run, or add a sweep: section"
