@@ -47,7 +47,14 @@ from p2pfl.network.wire import WireError, decode, encode
 from p2pfl.reporting.reporters import CsvReporter, Reporter
 from p2pfl.runtime.children import Forked, stop
 from p2pfl.runtime.setup import Setup
-from p2pfl.runtime.sockets import Crashed, Schema, TransportConfig, ZmqNode, model_schema
+from p2pfl.runtime.sockets import (
+    Crashed,
+    Schema,
+    TransportConfig,
+    ZmqNode,
+    check_tensors,
+    model_schema,
+)
 from p2pfl.runtime.worker import Worker
 
 
@@ -537,18 +544,15 @@ def read_result(mine: Path) -> dict[str, Any]:
 
 def read_final(path: Path, schema: Schema) -> State:
     """A node's ``final.bin``: a model frame holding exactly the model's tensors, with their
-    shapes and dtypes; a ``RunError`` naming the file otherwise."""
+    shapes and dtypes (:func:`check_tensors`); a ``RunError`` naming the file otherwise."""
     try:
         state = decode(bytearray(path.read_bytes())).tensors
     except (OSError, WireError) as e:
         raise RunError(f"{path}: not a model frame ({e})") from None
-    if state.keys() != schema.keys():
-        odd = sorted(state.keys() ^ schema.keys())
-        raise RunError(f"{path}: not this experiment's model (tensor {odd[0]!r})")
-    for k, t in state.items():
-        if (tuple(t.shape), t.dtype) != schema[k]:
-            raise RunError(f"{path}: not this experiment's model (tensor {k!r} is "
-                           f"{t.dtype}{list(t.shape)})")  # fmt: skip
+    try:
+        check_tensors("model", state, schema, stacked=False)
+    except WireError as e:
+        raise RunError(f"{path}: not this experiment's model ({e})") from None
     return state
 
 

@@ -29,7 +29,7 @@ import logging
 import math
 import time
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -157,6 +157,34 @@ Schema = dict[str, tuple[tuple[int, ...], torch.dtype]]
 def model_schema(module: torch.nn.Module) -> Schema:
     """The :data:`Schema` of ``module``'s state."""
     return {k: (tuple(v.shape), v.dtype) for k, v in module.state_dict().items()}
+
+
+def check_tensors(
+    kind: str, tensors: Mapping[str, torch.Tensor], schema: Schema, stacked: bool = True
+) -> None:
+    """A tensor named like a model tensor has its shape and dtype; a ``model`` message
+    holds the whole model and nothing else, or (``stacked``) whole models stacked as
+    ``i/name`` (candidates sent to vote on), so no method is handed a model it cannot load:
+    a ``WireError`` naming the first tensor that is not so."""
+    for k, t in tensors.items():
+        name = k.split("/", 1)[1] if kind == "model" and stacked and "/" in k else k
+        if name in schema and (tuple(t.shape), t.dtype) != schema[name]:
+            shape, dtype = schema[name]
+            raise WireError(
+                f"{kind} tensor {k!r} is {t.dtype}{list(t.shape)}, the model's is "
+                f"{dtype}{list(shape)}"
+            )
+    if kind != "model" or not schema or tensors.keys() == schema.keys():
+        return
+    if not stacked:
+        odd = sorted(tensors.keys() ^ schema.keys())
+        raise WireError(f"model message is not the model (tensor {odd[0]!r})")
+    copies = max(1, -(-len(tensors) // len(schema)))  # whole models it holds
+    whole = {f"{i}/{k}" for i in range(copies) for k in schema}
+    if tensors.keys() != whole:
+        odd = sorted((tensors.keys() ^ whole) - schema.keys())
+        first = odd[0] if odd else next(iter(tensors), "")
+        raise WireError(f"model message is not the model (tensor {first!r})")
 
 
 class Crashed(RunError):
@@ -372,27 +400,6 @@ class ZmqNode:
             return "crashed"
         return None
 
-    def _check_tensors(self, msg: Message) -> None:
-        """A tensor named like a model tensor has its shape and dtype; a ``model`` message
-        holds the whole model and nothing else, or whole models stacked as ``i/name``
-        (candidates sent to vote on), so no method is handed a model it cannot load."""
-        for k, t in msg.tensors.items():
-            name = k.split("/", 1)[1] if msg.kind == "model" and "/" in k else k
-            if name in self.schema and (tuple(t.shape), t.dtype) != self.schema[name]:
-                shape, dtype = self.schema[name]
-                raise WireError(
-                    f"{msg.kind} tensor {k!r} is {t.dtype}{list(t.shape)}, the model's is "
-                    f"{dtype}{list(shape)}"
-                )
-        if msg.kind != "model" or not self.schema or msg.tensors.keys() == self.schema.keys():
-            return
-        copies = max(1, -(-len(msg.tensors) // len(self.schema)))  # whole models it holds
-        stacked = {f"{i}/{k}" for i in range(copies) for k in self.schema}
-        if msg.tensors.keys() != stacked:
-            odd = sorted((msg.tensors.keys() ^ stacked) - self.schema.keys())
-            first = odd[0] if odd else next(iter(msg.tensors), "")
-            raise WireError(f"model message is not the model (tensor {first!r})")
-
     def _recv(self, recv: Recv) -> list[Message]:
         if recv.deadline is not None:
             self._drain_until_taken(recv)
@@ -496,7 +503,7 @@ class ZmqNode:
 
         It must come to this node from a neighbour (under CURVE: from the key of the node it
         names as its sender), hold the model's shapes and dtypes for every model tensor it
-        names (a ``model`` message: the whole model, :meth:`_check_tensors`), carry a meta
+        names (a ``model`` message: the whole model, :func:`check_tensors`), carry a meta
         of at most ``MAX_META_BYTES``, name a round in the node's window (0 to
         ``ROUND_WINDOW`` past the run's rounds and its own) and find room in its sender's
         backlog (:meth:`_make_room`)."""
@@ -513,7 +520,7 @@ class ZmqNode:
             if self.keys is not None and self.senders.get(key or "") != msg.src:
                 raise WireError(f"claims to come from {msg.src}, but its CURVE key is not theirs")
             src, cause = msg.src, "not the model"
-            self._check_tensors(msg)
+            check_tensors(msg.kind, msg.tensors, self.schema)
             cause = "oversized meta"
             meta = len(json.dumps(msg.meta, separators=(",", ":")))
             if meta > MAX_META_BYTES:
