@@ -39,6 +39,7 @@ from p2pfl.network.peers import build_population
 from p2pfl.network.topology import Topology, build_topology
 from p2pfl.reporting import matching
 from p2pfl.reporting.partition import save_partition
+from p2pfl.reporting.progress import time_to_accuracy
 from p2pfl.reporting.reporters import Reporter, open_reporters
 from p2pfl.runtime.children import Forked
 from p2pfl.runtime.launcher import NodeFiles, gather, launch
@@ -173,6 +174,8 @@ def run(
             if setup.network is not None:
                 save_availability(setup.network, clock, out)
         summary |= _results(setup, finals, clock, reporters, ranks)
+        if setup.eval.targets:  # read back from metrics.csv and comm.csv, as written
+            summary["time_to_accuracy"] = time_to_accuracy(out, setup.eval.targets)
         if baselines:
             summary["baselines"] = baselines
         summary["status"] = "ok"

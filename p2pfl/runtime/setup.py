@@ -21,24 +21,28 @@ from p2pfl.network.dynamics import Network
 from p2pfl.network.peers import Population
 from p2pfl.network.topology import Topology
 from p2pfl.reporting.matching import MatchingConfig
+from p2pfl.reporting.progress import check_targets
 from p2pfl.reporting.reporters import check_reporters
 
 
 @dataclass(frozen=True)
 class EvalConfig:
     """The ``eval:`` section: how often the global test set is scored, the optional
-    neuron-matching measure after the run (:mod:`p2pfl.reporting.matching`), and where the
-    rows go besides ``metrics.csv`` (:mod:`p2pfl.reporting.reporters`)."""
+    neuron-matching measure after the run (:mod:`p2pfl.reporting.matching`), where the
+    rows go besides ``metrics.csv`` (:mod:`p2pfl.reporting.reporters`), and the accuracies
+    whose time to reach ``summary.json`` reports (``targets``: :mod:`p2pfl.reporting.progress`)."""
 
     every: int = 1
     per_peer: bool = True
     matching: dict | None = None
     reporters: tuple[str, ...] = ()
+    targets: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         if self.every < 1:
             raise ConfigError("every", "must be >= 1")
         check_reporters(self.reporters)
+        check_targets(self.targets)
         if self.matching is not None:
             try:
                 keys = asdict(MatchingConfig(**bind(MatchingConfig, self.matching)))
