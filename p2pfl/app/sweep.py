@@ -15,7 +15,8 @@ Cell ``i`` runs in ``OUT/KEY=LABEL,KEY=LABEL,...``; it is resumable: a cell whos
 ``summary.json`` says ``ok`` and whose ``config.yaml`` is the cell's config is not run
 again. At the end the sweep writes ``cells.csv`` (one row per cell), ``sweep.csv`` (one
 row per combination of the non-seed keys: mean ± sample std over its runs of final
-accuracy, total bytes and simulated time), prints that table, and draws its figures
+accuracy, total bytes and simulated time; with ``eval.targets``, the time to accuracy:
+:func:`tta_columns`), prints that table, and draws its figures
 (:mod:`p2pfl.reporting.plots`). With ``workers`` > 1 (``--workers N``) the cells run that
 many at a time, each in a process forked from this one; the tables come out the same.
 """
@@ -46,6 +47,7 @@ from p2pfl.app.config import SECTIONS, read_experiment, resolve, set_path
 from p2pfl.app.experiment import build, empty, run
 from p2pfl.core.errors import ConfigError, RunError, TopologyMisfit
 from p2pfl.data.datasets import loaded_once
+from p2pfl.reporting.progress import target_key
 from p2pfl.reporting.reporters import ended_well
 
 SHORTHAND = {"topology": "kind"}
@@ -257,12 +259,16 @@ def run_cell(
             row["status"] = "ok"
         except RunError as e:
             return row | {"status": "failed", "reason": str(e)}
-    return row | {
+    row |= {
         "accuracy": summary["final"]["accuracy"],
         "total_bytes": summary["comm"]["total_bytes"],
         "sim_time_s": summary["sim_time_s"],
         "wall_time_s": summary["wall_time_s"],
     }
+    for key, first in summary.get("time_to_accuracy", {}).items():
+        row[f"tta_{key}_s"] = None if first is None else first["time_s"]
+        row[f"tta_{key}_bytes"] = None if first is None else first["bytes"]
+    return row
 
 
 def mean_std(xs: list[float]) -> tuple[float, float]:
@@ -270,8 +276,26 @@ def mean_std(xs: list[float]) -> tuple[float, float]:
     return statistics.fmean(xs), statistics.stdev(xs) if len(xs) > 1 else 0.0
 
 
-def table(grid: dict[str, list[Any]], rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """``sweep.csv``'s rows: cells grouped by every key but ``seed``, in grid order."""
+def targets_of(todo: Iterable[Cell]) -> list[str]:
+    """The keys (``"0.7"``) of the accuracies any cell's ``eval.targets`` names, ascending."""
+    values = {float(t) for cell in todo for t in cell.config["eval"].get("targets", ())}
+    return [target_key(t) for t in sorted(values)]
+
+
+def tta_columns(targets: Sequence[str], table: bool = False) -> list[str]:
+    """The time-to-accuracy columns per target key ``A`` (none without targets):
+    ``tta_A_s`` and ``tta_A_bytes``, a cell's ``time_to_accuracy`` (empty where it never
+    reached ``A``); in ``sweep.csv`` (``table``), the mean over the combination's runs when
+    every one of them reached ``A`` (else empty), and ``tta_A_reached``, how many did."""
+    extra = ("reached",) if table else ()
+    return [f"tta_{key}_{part}" for key in targets for part in ("s", "bytes", *extra)]
+
+
+def table(
+    grid: dict[str, list[Any]], rows: list[dict[str, Any]], targets: Sequence[str] = ()
+) -> list[dict[str, Any]]:
+    """``sweep.csv``'s rows: cells grouped by every key but ``seed``, in grid order (with
+    the time to each of ``targets``: :func:`tta_columns`)."""
     keys = [k for k in grid if k != "seed"]
     groups: dict[tuple, list[dict[str, Any]]] = {}
     for row in rows:
@@ -286,6 +310,14 @@ def table(grid: dict[str, list[Any]], rows: list[dict[str, Any]]) -> list[dict[s
         for stat in STATS:
             if ran:
                 entry[f"{stat}_mean"], entry[f"{stat}_std"] = mean_std([r[stat] for r in ran])
+        for key in targets:
+            firsts = [r for r in ran if r.get(f"tta_{key}_s") is not None]
+            entry[f"tta_{key}_reached"] = len(firsts)
+            if ran and len(firsts) == len(ran):
+                for part in ("s", "bytes"):
+                    entry[f"tta_{key}_{part}"] = statistics.fmean(
+                        r[f"tta_{key}_{part}"] for r in ran
+                    )
         out.append(entry)
     return out
 
@@ -297,22 +329,32 @@ def write_csv(path: Path, rows: list[dict[str, Any]], columns: list[str]) -> Non
         writer.writerows(rows)
 
 
-def format_table(keys: list[str], rows: list[dict[str, Any]]) -> str:
-    """``sweep.csv`` as aligned text: accuracy, total bytes and sim time as mean ± std."""
-    lines = [[*keys, "runs", "accuracy", "total bytes", "sim time (s)", "note"]]
+def format_table(keys: list[str], rows: list[dict[str, Any]], targets: Sequence[str] = ()) -> str:
+    """``sweep.csv`` as aligned text: accuracy, total bytes and sim time as mean ± std; the
+    mean time to each of ``targets`` (``never``, or ``K/N runs`` when only K reached it)."""
+    tta = [f"time to {key} (s)" for key in targets]
+    lines = [[*keys, "runs", "accuracy", "total bytes", "sim time (s)", *tta, "note"]]
     for r in rows:
-        stats = ["-"] * 3
+        stats = ["-"] * (3 + len(targets))
         if r["runs"]:
             stats = [
                 f"{r['accuracy_mean']:.4f} ± {r['accuracy_std']:.4f}",
                 f"{r['total_bytes_mean']:,.0f} ± {r['total_bytes_std']:,.0f}",
                 f"{r['sim_time_s_mean']:.3f} ± {r['sim_time_s_std']:.3f}",
+                *(_tta_text(r, key) for key in targets),
             ]
         lines.append([*(str(r[k]) for k in keys), str(r["runs"]), *stats, r["note"]])
     width = [max(len(line[i]) for line in lines) for i in range(len(lines[0]))]
     return "\n".join(
         "  ".join(c.ljust(w) for c, w in zip(line, width, strict=True)).rstrip() for line in lines
     )
+
+
+def _tta_text(row: dict[str, Any], key: str) -> str:
+    reached = row[f"tta_{key}_reached"]
+    if reached == row["runs"]:
+        return f"{row[f'tta_{key}_s']:.4g}"
+    return f"{reached}/{row['runs']} runs" if reached else "never"
 
 
 def run_sweep(
@@ -432,12 +474,13 @@ def _run_cells(
         detail = f"accuracy {row['accuracy']:.4f}" if "accuracy" in row else row["reason"]
         print(f"[{n}/{len(todo)}] {cell.name}: {row['status']} ({detail})", flush=True)
     rows = [by_index[i] for i in range(len(todo))]
-    write_csv(out / "cells.csv", rows, [*grid, *CELL_COLUMNS])
-    summary = table(grid, rows)
+    targets = targets_of(todo)
+    write_csv(out / "cells.csv", rows, [*grid, *CELL_COLUMNS, *tta_columns(targets)])
+    summary = table(grid, rows, targets)
     keys = [k for k in grid if k != "seed"]
-    columns = [*keys, "runs", *(f"{s}_{m}" for s in STATS for m in ("mean", "std")), "note"]
-    write_csv(out / "sweep.csv", summary, columns)
-    print(format_table(keys, summary))
+    columns = [*keys, "runs", *(f"{s}_{m}" for s in STATS for m in ("mean", "std"))]
+    write_csv(out / "sweep.csv", summary, [*columns, *tta_columns(targets, True), "note"])
+    print(format_table(keys, summary, targets))
 
     def save(stem: str, draw: Callable[[], Any]) -> None:
         plots.save(draw(), out, stem)
