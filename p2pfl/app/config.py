@@ -24,6 +24,7 @@ from p2pfl.data.datasets import DATASETS, take_subsets
 from p2pfl.data.federated import SplitOptions
 from p2pfl.data.partition import PARTITIONERS
 from p2pfl.learning.models import resolve_model
+from p2pfl.learning.robust import resolve_aggregator
 from p2pfl.learning.training import TrainConfig
 from p2pfl.methods import METHODS
 from p2pfl.methods.attacks import resolve_adversary
@@ -129,6 +130,15 @@ def _topology(options: dict[str, Any], file: Path) -> dict[str, Any]:
     return options
 
 
+def _algorithm(options: dict[str, Any]) -> dict[str, Any]:
+    """Check an ``algorithm:`` mapping; a method's ``aggregator`` (FedAvg's, DFedAvgM's, a
+    plug-in's: a rule of ``AGGREGATORS``) is checked here too and written with its defaults."""
+    out = _named(METHODS, options, 0)
+    if "aggregator" in out:
+        out["aggregator"] = resolve_aggregator(out["aggregator"])
+    return out
+
+
 def _section(config: dict[str, Any], key: str) -> dict[str, Any]:
     value = config.get(key, {})
     if not isinstance(value, dict):
@@ -166,7 +176,7 @@ def resolve(raw: dict[str, Any], file: Path) -> dict[str, Any]:
         "peers": lambda o: bind(
             build_population, _include(o, "profile", file, "peer profile"), 1, also=("profile",)
         ),
-        "algorithm": lambda o: _named(METHODS, o, 0),
+        "algorithm": _algorithm,
         "train": lambda o: asdict(TrainConfig(**bind(TrainConfig, o))),
         "eval": lambda o: asdict(EvalConfig(**bind(EvalConfig, o))),
         "transport": lambda o: asdict(TransportConfig(**bind(TransportConfig, o))),

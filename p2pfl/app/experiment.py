@@ -113,6 +113,8 @@ def build(config: dict[str, Any], transport: str = "sim") -> Setup:
         network = _within("network", Network, config["network"], topology, seed)
         if not network.misbehaves:
             network = None  # reliable and static: the run is exactly one without the section
+    if network is not None:
+        _within("algorithm", method.check_network, network)
     try:
         method.check(topology, seed)
     except TopologyMisfit as e:  # keyed by the method's own key (its aggregator's)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
@@ -65,17 +65,28 @@ class Aggregator:
 AGGREGATORS: Registry[type[Aggregator]] = Registry("aggregator")
 
 
-def parse_aggregator(option: str | dict) -> Aggregator:
-    """An ``aggregator:`` option (a name, or a mapping with ``name`` and the rule's keys)."""
+def resolve_aggregator(option: str | dict) -> dict[str, Any]:
+    """An ``aggregator:`` option (a name, or a mapping with ``name`` and the rule's keys)
+    checked, the rule's own checks included, and written out as a mapping with every key of
+    the rule, its defaults filled in (what ``config.yaml`` holds); a ``ConfigError`` keyed
+    ``aggregator.KEY`` (an unknown name lists the registered ones)."""
     if isinstance(option, str):
         option = {"name": option}
     try:
         if "name" not in option:
             raise ConfigError("name", f"missing; choose one of: {', '.join(AGGREGATORS.names())}")
         cls = AGGREGATORS.get(option["name"])
-        return cls(**bind(cls, {k: v for k, v in option.items() if k != "name"}, also=("name",)))
+        keys = bind(cls, {k: v for k, v in option.items() if k != "name"}, also=("name",))
+        cls(**keys)  # its own checks
     except ConfigError as e:
         raise e.within("aggregator") from None
+    return {"name": option["name"]} | keys
+
+
+def parse_aggregator(option: str | dict) -> Aggregator:
+    """The rule an ``aggregator:`` option names (checked as :func:`resolve_aggregator`)."""
+    keys = resolve_aggregator(option)
+    return AGGREGATORS.get(keys["name"])(**{k: v for k, v in keys.items() if k != "name"})
 
 
 def _inputs(center: State, others: Sequence[State], center_weight: float) -> list[State]:

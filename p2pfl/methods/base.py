@@ -6,8 +6,9 @@ defaults): the built-in methods are dataclasses whose fields are those keys, so 
 them in ``__post_init__``. ``behaviour(ctx)`` is the generator one node runs (see
 :mod:`p2pfl.methods.effects`); the same object serves every node, so it must keep no
 per-node state on ``self``.
-``transfers(plan)`` lists the messages it sends, analytically (``p2pfl cost``). ``check``
-and ``check_data`` reject, before anything runs, a topology, a model or data it cannot use.
+``transfers(plan)`` lists the messages it sends, analytically (``p2pfl cost``). ``check``,
+``check_data`` and ``check_network`` reject, before anything runs, a topology, a model or
+data, or a network it cannot use.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from p2pfl.core.options import Registry
 from p2pfl.data.federated import FederatedData
 from p2pfl.methods.effects import Behaviour, State
 from p2pfl.network.codecs import Compression
+from p2pfl.network.dynamics import Network
 from p2pfl.network.plan import Plan, Transfer
 from p2pfl.network.topology import Topology
 
@@ -90,6 +92,12 @@ class Method:
         """Raise ``ConfigError`` if the method cannot learn ``model`` (a fresh copy, free to
         run) from ``data``: a need that spans sections, so the key is a full path such as
         ``partition.val_fraction``. Runs with the other checks, before anything is written."""
+
+    def check_network(self, network: Network) -> None:
+        """Raise ``ConfigError`` (the method's own key) if the method cannot run on the run's
+        ``network:`` section (one that misbehaves: ``network.changes_graph`` says whether
+        ``network.graph`` redraws or schedules the graph). Runs with the other checks,
+        before anything is written."""
 
     def total_rounds(self, num_peers: int) -> int:
         """How many rounds the run logs (drives the progress bar and the last evaluation)."""

@@ -46,6 +46,7 @@ from p2pfl.methods.effects import (
     Train,
 )
 from p2pfl.methods.relaxed import RelaxedInit, local_round, parse_relaxed_init
+from p2pfl.network.dynamics import Network
 from p2pfl.network.plan import Plan, Transfer
 from p2pfl.network.topology import Topology
 
@@ -89,6 +90,16 @@ class DFedAvgM(Method):
         super().check(topology, seed)
         inputs = {f"peer {p}": len(topology.neighbours(p)) + 1 for p in topology.peers}
         self.rule.check_inputs(inputs)
+
+    def check_network(self, network: Network) -> None:
+        """Metropolis–Hastings weights come from the degrees of the graph at the start: a
+        graph that ``network.graph`` changes needs ``mixing: uniform``."""
+        if network.changes_graph and self.mixing == "metropolis":
+            raise ConfigError(
+                "mixing",
+                "metropolis mixing needs a static graph, and network.graph changes it: "
+                "set mixing: uniform",
+            )
 
     def transfers(self, plan: Plan) -> Iterator[Transfer]:
         """Round r (phase r): every peer sends its model to each neighbour, Σ_i deg(i)·M per
