@@ -117,6 +117,11 @@ def parser() -> argparse.ArgumentParser:
     plot = sub.add_parser("plot", help="pictures of finished runs and sweeps")
     plot.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run or sweep directories")
     plot.add_argument("--out", help="output directory (default RUN_DIR/plots, the first one)")
+    plot.add_argument(
+        "--x", action="append", choices=("time", "bytes"),
+        help="only the time-to-accuracy figure: each run's accuracy against simulated time "
+        "or bytes sent, with its eval.targets (repeatable)",
+    )  # fmt: skip
     return p
 
 
@@ -173,7 +178,8 @@ plot``): ``--force`` empties a directory only if it holds nothing else."""
 ARTIFACTS = re.compile(r"[\w.-]+\.(csv|png|svg)")
 """The tables and pictures a method's ``Artifact`` writes in its run's directory."""
 SWEEP_FILES = re.compile(
-    r"cells\.csv|sweep\.csv|plots|(accuracy|traffic|availability|sweep|partition-\d+)\.(png|svg)"
+    r"cells\.csv|sweep\.csv|plots|"
+    r"(accuracy|accuracy-time|accuracy-bytes|traffic|availability|sweep|partition-\d+)\.(png|svg)"
 )
 """What a sweep writes in its directory besides its cells' directories (``KEY=LABEL,...``)."""
 
@@ -752,10 +758,11 @@ def cost_table(args: argparse.Namespace) -> tuple[Setup, list[dict[str, Any]], P
 
 
 def cmd_plot(args: argparse.Namespace) -> int:
-    from p2pfl.reporting.plots import plot_runs
+    from p2pfl.reporting.plots import plot_progress, plot_runs
 
     paths = [Path(r) for r in args.runs]
-    written = plot_runs(paths, output_dir(args.out or str(paths[0] / "plots")))
+    out = output_dir(args.out or str(paths[0] / "plots"))
+    written = plot_progress(paths, out, args.x) if args.x else plot_runs(paths, out)
     print(f"wrote {len(written)} files: {', '.join(str(p) for p in written)}")
     return 0
 

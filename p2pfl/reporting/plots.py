@@ -17,6 +17,14 @@ mean over those runs). It writes:
   ``availability.csv``): test accuracy against simulated time on top and, under it on the
   same time axis, the number of peers online (a step function of the online intervals; the
   mean over a line's runs; every peer for a run without the section).
+
+With ``--x time`` or ``--x bytes`` (either or both) it writes only ``accuracy-time`` or
+``accuracy-bytes``: each run's accuracy series (:mod:`p2pfl.reporting.progress`: the
+``eval.every_s`` probes, else the server's scores, else the mean over peers per round, then
+the final score) as a step function of simulated time or of the bytes sent by then, one
+curve per run (a sweep's cells each their own, named by their line and seed), and each
+run's ``eval.targets`` as horizontal lines: a curve crosses a target's line at its
+``time_to_accuracy``.
 """
 
 from __future__ import annotations
@@ -44,6 +52,7 @@ from p2pfl.core.seeding import derive_seed
 from p2pfl.core.yaml_io import read_yaml
 from p2pfl.network.topology import Topology, build_topology
 from p2pfl.reporting.heatmap import heatmap_figure
+from p2pfl.reporting.progress import SOURCES, Sent, accuracy_series
 from p2pfl.reporting.reporters import ended_well
 
 FORMATS = ("png", "svg")
@@ -430,6 +439,95 @@ def figures(paths: list[Path]) -> dict[str, Callable[[], Figure]]:
 def plot_runs(paths: list[Path], out: Path) -> list[Path]:
     """Every figure of the runs (and sweeps) in ``paths``, written to ``out``."""
     drawn = {stem: draw() for stem, draw in figures(paths).items()}
+    out.mkdir(parents=True, exist_ok=True)  # only once every figure is drawn
+    return [p for stem, fig in drawn.items() for p in save(fig, out, stem)]
+
+
+def sent(run: Run) -> Sent:
+    """Bytes sent by each time, from ``comm.csv``'s ``time`` and ``bytes`` columns (checked:
+    a bad ``time`` is a one-line error naming the file and line)."""
+    path = run.path / "comm.csv"
+    for line, r in enumerate(run.comm, 2):
+        if "time" not in r:
+            raise ConfigError("", f"{path}: no column time in its header")
+        try:
+            float(r["time"])
+        except ValueError:
+            raise ConfigError(
+                "", f"{path} line {line}: column 'time' is {r['time']!r}, not a float"
+            ) from None
+    return Sent(run.comm)
+
+
+def targets_of(run: Run) -> set[float]:
+    """The accuracies of the run's ``eval.targets`` (none for a run without)."""
+    section = run.config.get("eval")
+    given = section.get("targets") if isinstance(section, dict) else None
+    return {
+        float(t)
+        for t in (given if isinstance(given, list) else [])
+        if isinstance(t, (int, float)) and not isinstance(t, bool)
+    }
+
+
+def progress_figure(lines: list[tuple[str, list[Run]]], x: str) -> Figure:
+    """``accuracy-time`` or ``accuracy-bytes`` (``x``): every run's accuracy series as a step
+    function of simulated time or of bytes sent, with the runs' targets as horizontal lines."""
+    fig = Figure(figsize=(9, 5.6), layout="constrained")
+    ax = fig.subplots()
+    targets: set[float] = set()
+    positive = False  # any bytes at all: a log axis needs a positive value
+    real = False  # a run over ZeroMQ: its times are wall seconds
+    i = 0
+    for name, runs in lines:
+        for run in runs:
+            series, source = accuracy_series(run.metrics)
+            by = sent(run)
+            xs = [p.time if x == "time" else by.by(p.time) / 1e6 for p in series]
+            label = name if len(runs) == 1 else f"{name} · seed={run.config['seed']}"
+            label += "" if source == "run" else f" ({SOURCES[source]})"
+            ax.plot(
+                xs, [p.accuracy for p in series], drawstyle="steps-post", label=label,
+                linestyle=LINES[i % len(LINES)], marker=MARKERS[i % len(MARKERS)], markersize=3,
+            )  # fmt: skip
+            positive |= any(v > 0 for v in xs)
+            real |= run.summary.get("transport", "sim") != "sim"
+            targets |= targets_of(run)
+            i += 1
+    for t in sorted(targets):
+        ax.axhline(t, color="grey", linestyle=":", linewidth=1)
+        ax.annotate(
+            f"target {t:g}", (1, t), xycoords=("axes fraction", "data"), xytext=(-4, 2),
+            textcoords="offset points", ha="right", va="bottom", fontsize=7, color="grey",
+        )  # fmt: skip
+    if x == "time":
+        clock = "simulated time (s)" + ("; wall seconds for zmq runs" if real else "")
+        ax.set(xlabel=clock, title="Test accuracy against time")
+    elif positive:
+        ax.set(xlabel="bytes sent (MB, log scale; 0 not shown)", xscale="log")
+        ax.xaxis.set_major_locator(LogLocator(subs=(1, 2, 5)))
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.xaxis.set_minor_formatter(NullFormatter())
+    else:
+        ax.set(xlabel="bytes sent (MB; none)")
+    if x == "bytes":
+        ax.set(title="Test accuracy against bytes sent")
+    ax.set(ylabel="test accuracy")
+    ax.grid(alpha=0.3)
+    handles, labels = ax.get_legend_handles_labels()
+    if labels:
+        fit = max(1, 150 // max(len(label) for label in labels))
+        fig.legend(
+            handles, labels, loc="outside lower center", ncols=min(2, len(labels), fit), fontsize=8
+        )
+    return fig
+
+
+def plot_progress(paths: list[Path], out: Path, axes: list[str]) -> list[Path]:
+    """``accuracy-X`` for each X of ``axes`` (``time``, ``bytes``) of the runs (and sweeps)
+    in ``paths``, written to ``out``."""
+    lines = expand(paths)
+    drawn = {f"accuracy-{x}": progress_figure(lines, x) for x in dict.fromkeys(axes)}
     out.mkdir(parents=True, exist_ok=True)  # only once every figure is drawn
     return [p for stem, fig in drawn.items() for p in save(fig, out, stem)]
 
