@@ -30,7 +30,7 @@ from p2pfl.methods import METHODS
 from p2pfl.methods.attacks import resolve_adversary
 from p2pfl.network.codecs import resolve_section as resolve_compression
 from p2pfl.network.dynamics import resolve_network
-from p2pfl.network.peers import build_population
+from p2pfl.network.peers import build_population, resolve_peers
 from p2pfl.network.topology import parse_topology
 from p2pfl.runtime.setup import EvalConfig
 from p2pfl.runtime.sockets import TransportConfig
@@ -173,9 +173,7 @@ def resolve(raw: dict[str, Any], file: Path) -> dict[str, Any]:
         "partition": lambda o: _named(PARTITIONERS, o, 3, SplitOptions),
         "model": resolve_model,
         "topology": lambda o: _topology(_include(o, "file", file, "topology"), file),
-        "peers": lambda o: bind(
-            build_population, _include(o, "profile", file, "peer profile"), 1, also=("profile",)
-        ),
+        "peers": lambda o: resolve_peers(_include(o, "profile", file, "peer profile"), file),
         "algorithm": _algorithm,
         "train": lambda o: asdict(TrainConfig(**bind(TrainConfig, o))),
         "eval": lambda o: asdict(EvalConfig(**bind(EvalConfig, o))),

@@ -102,7 +102,10 @@ def topology_for(setup: Setup, kind: str) -> Topology:
         return setup.topology
     seed = derive_seed(setup.seed, "topology")
     try:
-        return build_topology({"kind": kind}, setup.topology.num_peers, seed, setup.population.link)
+        return build_topology(
+            {"kind": kind}, setup.topology.num_peers, seed, setup.population.link,
+            setup.population.rates,
+        )  # fmt: skip
     except ConfigError as e:
         raise e.within("--topologies") from None
 

@@ -35,7 +35,7 @@ from p2pfl.methods.attacks import build_adversary
 from p2pfl.methods.effects import Finish, State
 from p2pfl.network.dynamics import Network
 from p2pfl.network.ledger import Ledger, summarize_csv
-from p2pfl.network.peers import build_population
+from p2pfl.network.peers import build_population, save_peers
 from p2pfl.network.topology import Topology, build_topology
 from p2pfl.reporting import matching
 from p2pfl.reporting.partition import save_partition
@@ -81,7 +81,7 @@ def build(config: dict[str, Any], transport: str = "sim") -> Setup:
     topo_seed = derive_seed(seed, "topology")
     topology = _within(
         "topology", build_topology, config["topology"], len(population.profiles), topo_seed,
-        population.link,
+        population.link, population.rates,
     )  # fmt: skip
     dataset = _within("dataset", load_dataset, config["dataset"], seed)
     trainer = _within("model", Trainer, config["model"], dataset.input_shape, dataset.num_classes)
@@ -152,6 +152,8 @@ def run(
     out.mkdir(parents=True, exist_ok=True)
     config_file = out / "config.yaml"
     config_file.write_text(yaml.safe_dump(setup.config, sort_keys=False))
+    if setup.population.heterogeneous:  # each peer's drawn compute and bandwidths
+        save_peers(setup.population, out / "peers.csv")
     figure = _draw_partition(setup, out, ranks)
     summary = _summary_head(setup) | {"transport": transport}
     start = time.perf_counter()
@@ -282,7 +284,7 @@ def _simulate(
     return finals, worker.baselines, runtime.now, ledger.summary()
 
 
-_PATHS = frozenset({"root", "file", "trace", "plugins", "curve_keys"})
+_PATHS = frozenset({"root", "file", "trace", "plugins", "curve_keys", "devices"})
 """Keys that name files, which may lie elsewhere on each host of a run."""
 
 

@@ -613,10 +613,11 @@ class Network:
         return self.graph(round, t).has_edge(src, dst)
 
     def link(self, src: int, dst: int) -> Link:
-        """The link a message takes: the topology's, or its default for a drawn edge."""
+        """The link a message takes: the topology's, or its default for a drawn edge (at the
+        peers' own bandwidths where set, :meth:`Topology.rated`)."""
         if self.topology.graph.has_edge(src, dst):
             return self.topology.link(src, dst)
-        return self.topology.default_link
+        return self.topology.rated(src, dst, self.topology.default_link)
 
     def neighbours(self, node: int, round: int | None, t: float, incoming: bool) -> list[int]:
         """The neighbours ``node`` believes reachable now (what a membership service would

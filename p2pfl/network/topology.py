@@ -2,12 +2,16 @@
 
 Peers are nodes ``0..N-1``. A star adds one data-less centre, the server, as node ``N``.
 Every edge carries a :class:`Link`; an edge attribute set in the topology file wins over
-the peer profile's link defaults, which win over :data:`DEFAULT_LINK`.
+the peer profile's link defaults, which win over :data:`DEFAULT_LINK`. With per-peer
+bandwidths (``peers.up_bps`` / ``down_bps``) a message from i to j moves at
+min(up_i, down_j) instead (:meth:`Topology.rated`), except on an edge whose bandwidth a
+``links:`` entry sets.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -55,6 +59,9 @@ class Topology:
     num_peers: int
     server: int | None = None
     default_link: Link = DEFAULT_LINK  # for edges a changing graph adds (p2pfl.network.dynamics)
+    up_bps: tuple[float, ...] = ()  # each peer's uplink (peers.up_bps); empty: not set
+    down_bps: tuple[float, ...] = ()  # each peer's downlink (peers.down_bps); empty: not set
+    pinned: frozenset[frozenset[int]] = frozenset()  # edges whose bandwidth a links: entry sets
 
     @property
     def peers(self) -> list[int]:
@@ -73,7 +80,20 @@ class Topology:
     def link(self, src: int, dst: int) -> Link:
         if not self.graph.has_edge(src, dst):
             raise KeyError(f"no link between {self.name(src)} and {self.name(dst)}")
-        return self.graph.edges[src, dst]["link"]
+        link: Link = self.graph.edges[src, dst]["link"]
+        if (self.up_bps or self.down_bps) and frozenset((src, dst)) not in self.pinned:
+            return self.rated(src, dst, link)
+        return link
+
+    def rated(self, src: int, dst: int, link: Link) -> Link:
+        """``link`` at min(uplink of ``src``, downlink of ``dst``): the per-peer bandwidths.
+        A side without one (the server, or a direction not set) does not limit; with neither,
+        ``link`` as it is. Downlink contention (several senders into one peer) is not
+        modelled: each message gets the receiver's whole downlink."""
+        up = self.up_bps[src] if src < len(self.up_bps) else math.inf
+        down = self.down_bps[dst] if dst < len(self.down_bps) else math.inf
+        rate = min(up, down)
+        return link if rate == math.inf else Link(link.latency_s, rate)
 
     def name(self, node: int) -> str:
         return "server" if node == self.server else str(node)
@@ -256,14 +276,19 @@ def build_graph(options: dict[str, Any], num_peers: int, seed: int) -> nx.Graph:
 
 
 def build_topology(
-    options: dict[str, Any], num_peers: int, seed: int, link_defaults: Link = DEFAULT_LINK
+    options: dict[str, Any],
+    num_peers: int,
+    seed: int,
+    link_defaults: Link = DEFAULT_LINK,
+    rates: tuple[Sequence[float], Sequence[float]] = ((), ()),
 ) -> Topology:
     """Build the graph named by ``options['kind']`` with links on every edge.
 
     Keys: ``kind`` (ring | mesh | star | erdos_renyi | watts_strogatz | random_regular |
     edges | graph_file) and its own keys, ``link`` (defaults for every edge) and ``links`` (per-edge
     overrides, each ``{between: [u, v], latency_s, bandwidth_bps}``; the server of a star is
-    ``"server"``).
+    ``"server"``). ``rates``: each peer's uplink and downlink (``Population.rates``), empty
+    where not set.
     """
     make, own, base, overrides = parse_topology(options, link_defaults)
     kind = options["kind"]
@@ -276,7 +301,11 @@ def build_topology(
         raise ConfigError("kind", "the graph is not connected")
     nx.set_edge_attributes(graph, base, "link")
     server = num_peers if kind == "star" else None
-    topo = Topology(kind=kind, graph=graph, num_peers=num_peers, server=server, default_link=base)
+    topo = Topology(
+        kind=kind, graph=graph, num_peers=num_peers, server=server, default_link=base,
+        up_bps=tuple(rates[0]), down_bps=tuple(rates[1]),
+    )  # fmt: skip
+    pinned: set[frozenset[int]] = set()
     for i, (ends, link) in enumerate(overrides):
         key = f"links.{i}"
         nodes = [topo.server if v == "server" else v for v in ends]
@@ -286,4 +315,7 @@ def build_topology(
             topo.graph.edges[nodes]["link"] = make_link(link, topo.graph.edges[nodes]["link"])
         except ConfigError as e:
             raise e.within(key) from None
+        if "bandwidth_bps" in link:
+            pinned.add(frozenset(int(v) for v in nodes if v is not None))
+    topo.pinned = frozenset(pinned)
     return topo

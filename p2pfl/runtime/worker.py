@@ -250,10 +250,10 @@ class Worker:
 
     def _seconds(self, node: int, flops: float, wall_s: float) -> float:
         """Simulated duration of a compute step on ``node`` (modelled or measured)."""
-        speed = self.population.profiles[node].speed
+        profile = self.population.profiles[node]
         if self.population.compute == "measured":
-            return wall_s / speed
-        return flops / (self.population.flops_per_s * speed)
+            return wall_s / profile.speed
+        return flops / (profile.flops_per_s or self.population.flops_per_s * profile.speed)
 
     def report(self, node: int, eff: Report) -> tuple[float, float]:
         """Score a baseline model and keep its accuracy for ``summary.json``."""
