@@ -131,7 +131,7 @@ class FedAvg(Method):
                 state = self.rule(state, [m.tensors for m in models], weights, 0.0)
             yield Evaluate(state, r)
         for p in ctx.peers:
-            yield Send(p, "control", self.rounds, {}, {"stop": True})
+            yield stop(p, self.rounds)
         yield Finish(state, output=True)
 
     def deadline_client(self, ctx: NodeContext) -> Behaviour:
@@ -166,13 +166,12 @@ class FedAvg(Method):
             state = self.rule(state, [m.tensors for m in models], weights, 0.0)
             yield Evaluate(state, r)
         for p in ctx.peers:
-            yield Send(p, "control", self.rounds, {}, {"stop": True})
+            yield stop(p, self.rounds)
         yield Finish(state, output=True)
 
     def is_stop(self, msg: Message) -> bool:
-        """The server's word to stop: a ``stop`` control at the last round (a control frame of
-        any other form, which only a forger sends, is passed over)."""
-        return msg.meta.get("stop") is True and msg.round == self.rounds
+        """The server's word to stop (:func:`is_stop`)."""
+        return is_stop(msg, self.rounds)
 
     def client(self, ctx: NodeContext) -> Behaviour:
         held = ctx.init_state()  # the last local model (FedInit's per-peer state)
@@ -215,6 +214,18 @@ class FedAvg(Method):
     def local_train(self, state: State, round: int) -> Train:
         """The local training step (FedProx adds its proximal term here)."""
         return Train(state, round)
+
+
+def stop(dst: int, rounds: int) -> Send:
+    """The server's word to stop, to client ``dst``: a ``control`` message at the last round,
+    ``rounds``, with meta ``{"stop": true}`` (FedAvg's; FedAsync and FedBuff end alike)."""
+    return Send(dst, "control", rounds, {}, {"stop": True})
+
+
+def is_stop(msg: Message, rounds: int) -> bool:
+    """Whether ``msg`` is the server's word to stop (:func:`stop`) in a run of ``rounds``: a
+    control frame of any other form, which only a forger sends, is passed over."""
+    return msg.meta.get("stop") is True and msg.round == rounds
 
 
 def round_half(x: float) -> int:
