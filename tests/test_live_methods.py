@@ -18,7 +18,7 @@ PEERS = {"count": 8}
 DATA = {"partition": {"name": "dirichlet", "alpha": 0.5}, "peers": PEERS}
 CHURN = {
     "churn": {"online": {"mean_s": 0.5}, "offline_fraction": 0.3},
-    "crashes": {"at": {3: 0.6}},
+    "crashes": {"at": {3: 0.3}},
     "links": {"loss": 0.1},
 }
 GOSSIP = {"name": "gossip", "rounds": 12, "period_s": 0.1}

@@ -32,12 +32,12 @@ from p2pfl.network.codecs import resolve_section as resolve_compression
 from p2pfl.network.dynamics import resolve_network
 from p2pfl.network.peers import build_population, resolve_peers
 from p2pfl.network.topology import parse_topology
-from p2pfl.runtime.setup import EvalConfig
+from p2pfl.runtime.setup import UNBOUNDED_ROUNDS, EvalConfig, StopConfig
 from p2pfl.runtime.sockets import TransportConfig
 
 SECTIONS = (
     "name", "seed", "dataset", "partition", "model", "topology", "peers", "algorithm", "train",
-    "eval", "transport", "compression", "plugins", "network", "adversary",
+    "eval", "transport", "compression", "plugins", "network", "adversary", "stop",
 )  # fmt: skip
 DEFAULTS: dict[str, Any] = {
     "seed": 0,
@@ -194,6 +194,18 @@ def resolve(raw: dict[str, Any], file: Path) -> dict[str, Any]:
             out["network"] = _network(_section(config, "network"), file)
         except ConfigError as e:
             raise e.within("network") from None
+    if "stop" in config:  # only when given, like network
+        try:
+            out["stop"] = asdict(StopConfig(**bind(StopConfig, _section(config, "stop"))))
+        except ConfigError as e:
+            raise e.within("stop") from None
+        if out["stop"]["accuracy"] is not None and out["eval"]["every_s"] is None:
+            raise ConfigError(
+                "accuracy", "needs eval.every_s: how often the run's model is scored"
+            ).within("stop")
+        given = config["algorithm"] if isinstance(config["algorithm"], dict) else {}
+        if "rounds" in out["algorithm"] and "rounds" not in given:
+            out["algorithm"]["rounds"] = UNBOUNDED_ROUNDS  # the stop bounds the run
     if "adversary" in config:  # only when given, like network
         try:
             out["adversary"] = resolve_adversary(_section(config, "adversary"))

@@ -44,7 +44,7 @@ from p2pfl.reporting.reporters import Reporter, open_reporters
 from p2pfl.runtime.children import Forked
 from p2pfl.runtime.launcher import NodeFiles, gather, launch
 from p2pfl.runtime.ranks import Ranks
-from p2pfl.runtime.setup import EvalConfig, Setup
+from p2pfl.runtime.setup import EvalConfig, Setup, StopConfig
 from p2pfl.runtime.sim import SimRuntime
 from p2pfl.runtime.sockets import TransportConfig, check_curve_keys
 from p2pfl.runtime.worker import Worker
@@ -106,8 +106,13 @@ def build(config: dict[str, Any], transport: str = "sim") -> Setup:
     train = TrainConfig(**config["train"])
     train.check_data(data.peers)
     method.check_data(copy.deepcopy(trainer.module(torch.device("cpu"))), data)
+    stop = StopConfig(**config["stop"]) if "stop" in config else None
     if transport == "zmq":
         check_curve_keys(TransportConfig(**config["transport"]), topology, topology.graph.nodes)
+        if evaluation.every_s is not None:
+            raise ConfigError(
+                "every_s", "needs the simulation: over sockets no process holds every model"
+            ).within("eval")
     network = None
     if "network" in config:
         network = _within("network", Network, config["network"], topology, seed)
@@ -122,8 +127,9 @@ def build(config: dict[str, Any], transport: str = "sim") -> Setup:
     except ConfigError as e:
         raise TopologyMisfit(e.key, e.message).within("topology") from None
     return Setup(
-        config, method, population, topology, trainer, data, train, evaluation, network, adversary
-    )
+        config, method, population, topology, trainer, data, train, evaluation, network,
+        adversary, stop,
+    )  # fmt: skip
 
 
 def empty(out: Path, keep: tuple[str, ...] = ()) -> None:
@@ -265,8 +271,9 @@ def _simulate(
         progress, ranks,
     )  # fmt: skip
     runtime = SimRuntime(
-        setup.topology, worker, ledger, setup.compression, setup.network, setup.population.uplink
-    )
+        setup.topology, worker, ledger, setup.compression, setup.network,
+        setup.population.uplink, setup.stop, setup.eval.every_s,
+    )  # fmt: skip
     try:
         behaviours = {n: setup.behaviour(ctx) for n, ctx in setup.contexts().items()}
         finals = runtime.run(behaviours)

@@ -11,15 +11,21 @@ Each iteration k, every peer i (Algorithm 1):
 
 The atomic pairwise average is the protocol of §4: peers are split in two groups (even ids
 are active, odd ids passive; on a bipartite graph such as an even ring every edge joins the
-two), so two averagings never wait on each other. An active peer sends its model to a passive
-neighbour drawn at random among those it believes online, trains meanwhile, then takes the
-partner's reply (the partner's model before it averaged) and averages with it. A passive peer
-waits up to ``reply_timeout_s`` for a request, answers at once every request there with its
-model and averages with each, then trains on the model it had before (its stale copy); after
-its own iterations it goes on answering until the run is over. A reply
-that does not come within ``reply_timeout_s`` of the request (lost, or the partner offline)
-is not waited for: the active peer applies its update alone. The result is the mean of the
-peers' final models.
+two), so two averagings never wait on each other. Every peer computes continuously; averaging
+is served beside the computation, as the paper's separate thread does (``Serve``). An active
+peer sends its model to a passive neighbour drawn at random among those it believes online,
+trains meanwhile, then takes the partner's reply and averages with it. A passive peer never
+waits for a request: it trains iteration after iteration, and answers each request at its
+arrival, even mid-training, with its model as it is then and averages with it (its training
+goes on from the copy it started from, applied afterwards to the averaged model); after its
+own iterations it goes on answering until the run is over. A reply that does not come within
+``reply_timeout_s`` of the request (lost, or the partner offline) is not waited for: the
+active peer applies its update alone. The result is the mean of the peers' final models.
+
+Earlier, in p2pfl 0.1.0, a passive peer waited up to ``reply_timeout_s`` for a request
+before each iteration and answered only between its own iterations, so a slow passive peer
+held back its active partners and the run's time was set by the timeout; that protocol is
+gone (no use of it remained that the paper's does not serve better).
 """
 
 from __future__ import annotations
@@ -40,9 +46,11 @@ from p2pfl.methods.effects import (
     Now,
     Recv,
     Send,
+    Serve,
     State,
     Train,
 )
+from p2pfl.network.message import Message
 from p2pfl.network.plan import Plan, Transfer
 from p2pfl.network.topology import Topology
 
@@ -57,6 +65,13 @@ def applied(x: State, stale: State, trained: State) -> State:
     return {
         k: x[k] + (trained[k] - stale[k]) if x[k].is_floating_point() else trained[k] for k in x
     }
+
+
+@dataclass
+class Model:
+    """A peer's model, shared by its worker (the behaviour) and its averaging thread."""
+
+    x: State
 
 
 @METHODS.register("adpsgd")
@@ -112,23 +127,21 @@ class ADPSGD(Method):
         yield Finish(x)
 
     def passive(self, ctx: NodeContext) -> Behaviour:
-        x = ctx.init_state()
+        node = Model(ctx.init_state())
+
+        def answer(request: Message) -> Behaviour:
+            """The averaging thread: reply with x_i, then x_i <- (x_i + x_j) / 2, at once."""
+            yield Send(request.src, "model", request.round, node.x, {"reply": True})
+            node.x = average_states([node.x, request.tensors])
+
+        yield Serve(answer)
         for k in range(1, self.rounds + 1):
-            stale = x
-            # wait (a while) for a first request, then take every one that is there
-            first = yield Recv(deadline=(yield Now()) + self.reply_timeout_s)
-            requests = first + (yield Recv(count=len(ctx.peers), deadline=(yield Now())))
-            for m in sorted(requests, key=lambda m: m.src):
-                yield Send(m.src, "model", m.round, x, {"reply": True})
-                x = average_states([x, m.tensors])
-            trained = (yield Train(stale, k)).state
-            x = applied(x, stale, trained)
-            yield Evaluate(x, k)
-        while requests := (yield Recv(deadline=math.inf)):  # serve late requests to the end
-            for m in requests:
-                yield Send(m.src, "model", m.round, x, {"reply": True})
-                x = average_states([x, m.tensors])
-        yield Finish(x)
+            stale = node.x
+            trained = (yield Train(stale, k)).state  # requests are answered meanwhile
+            node.x = applied(node.x, stale, trained)
+            yield Evaluate(node.x, k)
+        yield Recv(deadline=math.inf)  # go on answering until the run is over
+        yield Finish(node.x)
 
     def transfers(self, plan: Plan) -> Iterator[Transfer]:
         """With every peer online: each iteration every active peer sends one request to the

@@ -24,7 +24,7 @@ from p2pfl.data.federated import PeerData
 from p2pfl.learning.state import State
 from p2pfl.learning.training import Regularizer
 from p2pfl.network.codecs import Codec
-from p2pfl.network.message import Meta
+from p2pfl.network.message import Message, Meta
 
 T = TypeVar("T")
 
@@ -159,6 +159,24 @@ class Log:
 
 
 @dataclass(frozen=True)
+class Serve:
+    """From now on, answer each arriving message of one of ``kinds`` at once, even while this
+    node trains or waits: the runtime runs ``handler(msg)`` on the message's arrival, as a
+    separate thread of the peer would (Lian et al. 2018, §4: the averaging thread).
+
+    The handler is a generator that may yield only ``Send``, ``Log``, ``Now`` and
+    ``Neighbours`` (it takes no time of its own). It runs between the behaviour's own steps,
+    never in the middle of one, so the two may share the node's state (a variable both
+    close over) without locks: a handler that runs during a ``Train`` changes the node's
+    model, not the copy being trained. A served message never reaches the inbox.
+    ``Serve(None)`` stops serving; so does the end of the behaviour.
+    """
+
+    handler: Callable[[Message], Generator[Effect, Any, None]] | None
+    kinds: tuple[str, ...] = ("model",)
+
+
+@dataclass(frozen=True)
 class Finish:
     """Declare this node's final model (``None`` if it holds none).
 
@@ -182,6 +200,7 @@ Effect = (
     | Report
     | Artifact
     | Log
+    | Serve
     | Finish
 )
 Behaviour = Generator[Effect, Any, None]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -37,10 +38,13 @@ class EvalConfig:
     matching: dict | None = None
     reporters: tuple[str, ...] = ()
     targets: tuple[float, ...] = ()
+    every_s: float | None = None  # simulation: score the run's model every so many seconds
 
     def __post_init__(self) -> None:
         if self.every < 1:
             raise ConfigError("every", "must be >= 1")
+        if self.every_s is not None and not 0 < self.every_s < math.inf:
+            raise ConfigError("every_s", f"must be a number of seconds > 0, got {self.every_s}")
         check_reporters(self.reporters)
         check_targets(self.targets)
         if self.matching is not None:
@@ -49,6 +53,34 @@ class EvalConfig:
             except ConfigError as e:
                 raise e.within("matching") from None
             object.__setattr__(self, "matching", keys)  # stored with its defaults filled in
+
+
+@dataclass(frozen=True)
+class StopConfig:
+    """The ``stop:`` section: end the run when a simulated time has passed (``time_s``), when
+    the peers together have trained on ``samples`` samples, or when the run's model reaches
+    ``accuracy`` (scored every ``eval.every_s``), whichever comes first. The method's rounds
+    still bound the run; left unset, they are unbounded (:data:`UNBOUNDED_ROUNDS`). Each
+    node's model at the stop is the one it last evaluated (its last finished round or
+    iteration)."""
+
+    time_s: float | None = None
+    samples: int | None = None
+    accuracy: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.time_s is None and self.samples is None and self.accuracy is None:
+            raise ConfigError("time_s", "give time_s, samples or accuracy (or leave out stop:)")
+        if self.time_s is not None and not 0 < self.time_s < math.inf:
+            raise ConfigError("time_s", f"must be a number of seconds > 0, got {self.time_s}")
+        if self.samples is not None and self.samples < 1:
+            raise ConfigError("samples", f"must be >= 1, got {self.samples}")
+        if self.accuracy is not None and not 0 < self.accuracy <= 1:
+            raise ConfigError("accuracy", f"must be in (0, 1], got {self.accuracy}")
+
+
+UNBOUNDED_ROUNDS = 1_000_000
+"""The rounds of a method whose run a ``stop:`` section bounds, when the user gives none."""
 
 
 @dataclass
@@ -65,6 +97,7 @@ class Setup:
     eval: EvalConfig
     network: Network | None = None  # the ``network:`` section, if the run has one
     adversary: Adversary | None = None  # the ``adversary:`` section, if it names attackers
+    stop: StopConfig | None = None  # the ``stop:`` section, if the run has one
 
     @property
     def seed(self) -> int:

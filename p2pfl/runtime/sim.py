@@ -38,29 +38,22 @@ from typing import Any
 import simpy
 
 from p2pfl.core.errors import RunError
-from p2pfl.methods.effects import (
-    Behaviour,
-    Compute,
-    Finish,
-    Neighbours,
-    Now,
-    Recv,
-    Send,
-    Train,
-    Wait,
-)
+from p2pfl.learning.state import State, average_states
+from p2pfl.methods.effects import Behaviour, Compute, Effect, Finish, Recv, Send, Train
 from p2pfl.network.codecs import Compression, choose
 from p2pfl.network.dynamics import Network
 from p2pfl.network.ledger import Ledger
 from p2pfl.network.message import Message
 from p2pfl.network.topology import Link, Topology
 from p2pfl.network.wire import deliver
+from p2pfl.runtime.interpreter import Interpreter
 from p2pfl.runtime.mailbox import describe, matches, take
+from p2pfl.runtime.setup import StopConfig
 from p2pfl.runtime.train_batcher import TrainBatcher
 from p2pfl.runtime.worker import Worker
 
 
-class SimRuntime:
+class SimRuntime(Interpreter):
     """Runs one behaviour per node on a SimPy clock with the topology's link model."""
 
     def __init__(
@@ -71,7 +64,10 @@ class SimRuntime:
         compression: Compression | None = None,
         network: Network | None = None,
         uplink: str = "fifo",
+        stop: StopConfig | None = None,
+        probe_s: float | None = None,
     ) -> None:
+        super().__init__()
         self.env = simpy.Environment()
         self.shared = uplink == "shared"
         self.network = network
@@ -98,7 +94,6 @@ class SimRuntime:
         self.counted: dict[int, float] = {n: 0.0 for n in nodes}
         self.waiting: dict[int, Recv] = {}
         self.dropped: dict[int, dict[str, int]] = {}  # per receiver: undelivered, by fate
-        self.finals: dict[int, Finish] = {}
         # what tells the end of the run: nodes still running, those of them listening
         # "until the end", and timers in SimPy's queue that can change nothing then (a
         # receive's deadline after it was met, a stale shared-uplink timer, a crash time)
@@ -107,6 +102,10 @@ class SimRuntime:
         self.inert = 0
         self.armed: dict[int, simpy.Event] = {}  # each shared uplink's live timer
         self.batcher = TrainBatcher(self.env, worker)
+        self.stop = stop
+        self.probe_s = probe_s
+        self.keep_latest = stop is not None or probe_s is not None
+        self.halted: str | None = None  # why a stop: section ended the run
 
     def run(self, behaviours: dict[int, Behaviour]) -> dict[int, Finish]:
         """Drive every node's behaviour to its end; return each node's ``Finish``."""
@@ -116,12 +115,19 @@ class SimRuntime:
             if crash is not None:
                 self._idle(self.env.timeout(crash)).callbacks.append(self._crasher(process, node))
         self.alive = len(behaviours)
+        if self.stop is not None and self.stop.time_s is not None:
+            timer = self._idle(self.env.timeout(self.stop.time_s))
+            timer.callbacks.append(lambda _: self._halt("time_s"))
+        if self.probe_s is not None:
+            self._probe_at(1)
         # Objects made before the run (torch, the data) stay out of the cyclic collector's
         # scans while it runs: a full collection over them costs 0.1-0.3 s each time.
         gc.freeze()
         try:
             self._run_until_quiet()
-            for _ in range(10 * len(behaviours)):  # bounded: each pass ends a listener's wait
+            for _ in range(
+                0 if self.halted else 10 * len(behaviours)
+            ):  # bounded: each pass ends a listener's wait
                 listeners = [n for n, r in self.waiting.items() if r.deadline == math.inf]
                 if not listeners:
                     break
@@ -131,6 +137,8 @@ class SimRuntime:
         finally:
             gc.unfreeze()
             self.done = True
+        if self.halted:
+            self.stopped_finals(sorted(set(behaviours) - self.gone))
         stuck = sorted(set(behaviours) - set(self.finals) - self.gone)
         if stuck:
             what = "; ".join(
@@ -146,6 +154,45 @@ class SimRuntime:
         env, queue = self.env, self.env._queue  # SimPy's event heap: its length is all we read
         while queue and not (self.listening == self.alive and len(queue) == self.inert):
             env.step()
+            if self.halted:
+                return
+
+    def _halt(self, reason: str) -> None:
+        """End the run now (a ``stop:`` condition was met, ``reason`` its key)."""
+        if self.halted is None:
+            self.halted = reason
+            self.end = self.env.now
+
+    def _probe_at(self, k: int) -> None:
+        """Score the run's model at ``k·eval.every_s`` (``metrics.csv``'s ``run`` rows), and
+        stop the run if it reached ``stop.accuracy``; an idle timer, so a run that is over
+        ends without waiting for it."""
+        assert self.probe_s is not None
+        timer = self._idle(self.env.timeout(k * self.probe_s - self.env.now))
+
+        def probe(_: simpy.Event) -> None:
+            state = self._run_model()
+            if state is not None:
+                acc = self.worker.probe(self.env.now, self.round_seen, state)
+                target = self.stop.accuracy if self.stop is not None else None
+                if target is not None and acc >= target:
+                    self._halt("accuracy")
+            self._probe_at(k + 1)
+
+        timer.callbacks.append(probe)
+
+    def _run_model(self) -> State | None:
+        """The run's model now: the server's, else the mean of the peers' (each as it last
+        evaluated it); ``None`` before any has one."""
+        server = self.topology.server
+        if server is not None:
+            return self.latest.get(server)
+        states = [
+            s
+            for p in self.topology.peers
+            if p not in self.gone and (s := self.latest.get(p)) is not None
+        ]
+        return average_states(states) if states else None
 
     def _idle(self, timer: simpy.Event) -> simpy.Event:
         """Count ``timer`` among the timers that change nothing once the run is over, until
@@ -201,61 +248,60 @@ class SimRuntime:
 
     def _drive(self, node: int, gen: Behaviour) -> Generator[simpy.Event, Any, None]:
         try:
-            yield from self._steps(node, gen)
+            yield from self.drive(node, gen)
         except simpy.Interrupt:
             gen.close()  # crashed: its state is gone with it
         self.end = max(self.end, self.env.now)
         self.alive -= 1
 
-    def _steps(self, node: int, gen: Behaviour) -> Generator[simpy.Event, Any, None]:
-        value: Any = None
-        while True:
-            try:
-                eff = gen.send(value)
-            except StopIteration:
-                return
-            value = None
-            if (
-                self.network is not None
-                and isinstance(eff, (Send, Train, Compute))
-                and not self.network.online(node, self.env.now)
-            ):
-                back = self.network.next_online(node, self.env.now)
-                if back == math.inf:
-                    self.gone.add(node)
-                    self.alive -= 1  # it can do nothing more: the run may end without it
-                    try:
-                        yield self.env.event()  # never fires; a crash timer may interrupt it
-                    finally:
-                        self.alive += 1
-                yield self.env.timeout(back - self.env.now)
-            if isinstance(eff, Send):
-                self._send(node, eff)
-            elif isinstance(eff, Recv):
-                value = yield from self._recv(node, eff)
-            elif isinstance(eff, Finish):
-                self.finals[node] = eff
-            elif isinstance(eff, Now):
-                value = self.env.now
-            elif isinstance(eff, Wait):
-                if eff.until > self.env.now:
-                    yield self.env.timeout(eff.until - self.env.now)
-            elif isinstance(eff, Neighbours):
-                value = self._neighbours(node, eff)
-            elif (
-                isinstance(eff, Train)
-                and (seconds := self.worker.batchable_seconds(node, eff)) is not None
-            ):
-                value = yield from self.batcher.train(node, eff, seconds)
-            else:
-                value, seconds = self.worker.perform(node, eff, self.env.now)
-                if seconds:
-                    yield self.env.timeout(seconds)
+    @property
+    def clock(self) -> float:
+        return self.env.now
 
-    def _neighbours(self, node: int, eff: Neighbours) -> list[int]:
-        if self.network is None:
-            return self.topology.neighbours(node)
-        return self.network.neighbours(node, eff.round, self.env.now, eff.incoming)
+    def before(self, node: int, eff: Effect) -> Generator[simpy.Event, Any, None]:
+        """An offline node's ``Send``, ``Train`` or ``Compute`` waits until it is back."""
+        if (
+            self.network is not None
+            and isinstance(eff, (Send, Train, Compute))
+            and not self.network.online(node, self.env.now)
+        ):
+            back = self.network.next_online(node, self.env.now)
+            if back == math.inf:
+                self.gone.add(node)
+                self.alive -= 1  # it can do nothing more: the run may end without it
+                try:
+                    yield self.env.event()  # never fires; a crash timer may interrupt it
+                finally:
+                    self.alive += 1
+            yield self.env.timeout(back - self.env.now)
+
+    def sleep(self, node: int, until: float) -> Generator[simpy.Event, Any, None]:
+        yield self.env.timeout(until - self.env.now)
+
+    def compute(self, node: int, eff: Train | Compute) -> Generator[simpy.Event, Any, Any]:
+        if (
+            isinstance(eff, Train)
+            and (seconds := self.worker.batchable_seconds(node, eff)) is not None
+        ):
+            return self._trained(eff, (yield from self.batcher.train(node, eff, seconds)))
+        value, seconds = self.worker.perform(node, eff, self.env.now)
+        if seconds:
+            yield self.env.timeout(seconds)
+        return self._trained(eff, value)
+
+    def _trained(self, eff: Train | Compute, value: Any) -> Any:
+        """Count a finished training's samples; stop the run at ``stop.samples``."""
+        if isinstance(eff, Train) and self.stop is not None and self.stop.samples is not None:
+            self.trained(value)
+            if self.samples >= self.stop.samples:
+                self._halt("samples")
+        return value
+
+    def send(self, node: int, eff: Send) -> None:
+        self._send(node, eff)
+
+    def recv(self, node: int, eff: Recv) -> Generator[simpy.Event, Any, list[Message]]:
+        return (yield from self._recv(node, eff))
 
     def _recv(self, node: int, recv: Recv) -> Generator[simpy.Event, Any, list[Message]]:
         """Take the messages ``recv`` asks for, waiting (once) until they have all arrived
@@ -408,6 +454,8 @@ class SimRuntime:
             self._record(msg, size, sent, now, fate)
             if fate != "delivered":
                 return
+        if self.serves(dst, msg):
+            return
         self.inbox[dst].append(msg)
         recv = self.waiting.get(dst)
         if recv is not None and matches(recv, msg):

@@ -29,7 +29,8 @@ import logging
 import math
 import time
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Generator, Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,23 +43,14 @@ from zmq.utils import z85
 from zmq.utils.monitor import recv_monitor_message
 
 from p2pfl.core.errors import ConfigError, RunError
-from p2pfl.methods.effects import (
-    Behaviour,
-    Compute,
-    Finish,
-    Neighbours,
-    Now,
-    Recv,
-    Send,
-    Train,
-    Wait,
-)
+from p2pfl.methods.effects import Behaviour, Compute, Effect, Finish, Recv, Send, Train
 from p2pfl.network.codecs import Compression, choose
 from p2pfl.network.dynamics import Network
 from p2pfl.network.ledger import Ledger
 from p2pfl.network.message import Message
 from p2pfl.network.topology import Topology
 from p2pfl.network.wire import WireError, decode, encode_parts
+from p2pfl.runtime.interpreter import Interpreter, run_blocking
 from p2pfl.runtime.mailbox import describe, matches, take
 from p2pfl.runtime.worker import Worker
 
@@ -78,6 +70,9 @@ round (and not negative): later rounds are no protocol's, so a flood cannot fill
 
 MAX_META_BYTES = 64 << 10
 """The largest ``meta`` (as compact JSON) a received message may carry."""
+
+SERVE_POLL_MS = 5
+"""How often a serving node that trains looks at its inbox (milliseconds at most)."""
 
 MAX_TIMEOUT_S = 1e6
 """The longest timeout a run accepts (11.6 days; ZeroMQ counts milliseconds in an int32)."""
@@ -191,7 +186,7 @@ class Crashed(RunError):
     """This node reached its crash time (``network.crashes``) or left for good."""
 
 
-class ZmqNode:
+class ZmqNode(Interpreter):
     """Runs one node's behaviour over sockets; local effects go to the shared ``Worker``."""
 
     def __init__(
@@ -206,6 +201,7 @@ class ZmqNode:
         schema: Schema | None = None,
         rounds: int = 0,
     ) -> None:
+        super().__init__()
         self.node = node
         self.network = network
         self.topology = topology
@@ -233,7 +229,6 @@ class ZmqNode:
         self.senders: dict[str, int] = {}  # CURVE user id (z85 public key) -> node
         self.handshakes: zmq.Socket | None = None  # the inbox's failed CURVE handshakes
         self.refused = {"key": 0, "crypto": 0}  # ... counted by cause (refusals())
-        self.finish: Finish | None = None
 
     def bind(self, endpoint: str) -> str:
         """Bind the inbox (``tcp://host:*`` picks a free port); return the real endpoint."""
@@ -277,47 +272,69 @@ class ZmqNode:
 
     def run(self, behaviour: Behaviour) -> Finish:
         """Drive the behaviour to its end; a timeout or bad send raises ``RunError``, and so
-        does a method that fails on the messages it was just handed: a frame in a
-        neighbour's name is believed, and a well-formed one may still hold what the method
-        cannot use (a ``meta`` weight that is no number), which names them, in one line."""
-        value: Any = None
-        while True:
-            try:
-                eff = behaviour.send(value)
-            except StopIteration:
-                break
-            except Exception as e:
-                if not (isinstance(value, list) and value and isinstance(value[0], Message)):
-                    raise
-                name = self.topology.name
-                took = [f"a {m.kind} frame from {name(m.src)} at round {m.round}" for m in value]
-                took = took[:3] + ["..."] * (len(took) > 3)
-                raise RunError(
-                    f"{self.name}'s method failed on what it received ({', '.join(took)}): "
-                    f"{type(e).__name__}: {e}"
-                ) from None
-            value = None
-            if isinstance(r := getattr(eff, "round", None), int) and r > self.round:
-                self.round = r
-            if self.network is not None:
-                self._live(isinstance(eff, (Send, Train, Compute)))
-            if isinstance(eff, Send):
-                self._send(eff)
-            elif isinstance(eff, Recv):
-                value = self._recv(eff)
-            elif isinstance(eff, Finish):
-                self.finish = eff
-            elif isinstance(eff, Now):
-                value = self.now()
-            elif isinstance(eff, Wait):
-                self._drain_until(eff.until)
-            elif isinstance(eff, Neighbours):
-                value = self._neighbours(eff)
-            else:
-                value, _ = self.worker.perform(self.node, eff, self.now())
-        if self.finish is None:
+        does a method that fails on the messages it was just handed (:meth:`resume`)."""
+        run_blocking(self.drive(self.node, behaviour))
+        finish = self.finals.get(self.node)
+        if finish is None:
             raise RunError(f"{self.name} ended without declaring its final model")
-        return self.finish
+        return finish
+
+    def resume(self, node: int, gen: Behaviour, value: Any) -> Effect:
+        """The behaviour's next effect. A frame in a neighbour's name is believed, and a
+        well-formed one may still hold what the method cannot use (a ``meta`` weight that
+        is no number): a method that fails on the messages it was just handed names them,
+        in one line."""
+        try:
+            return gen.send(value)
+        except StopIteration:
+            raise
+        except Exception as e:
+            if not (isinstance(value, list) and value and isinstance(value[0], Message)):
+                raise
+            name = self.topology.name
+            took = [f"a {m.kind} frame from {name(m.src)} at round {m.round}" for m in value]
+            took = took[:3] + ["..."] * (len(took) > 3)
+            raise RunError(
+                f"{self.name}'s method failed on what it received ({', '.join(took)}): "
+                f"{type(e).__name__}: {e}"
+            ) from None
+
+    @property
+    def clock(self) -> float:
+        return self.now()
+
+    def before(self, node: int, eff: Effect) -> Generator[None, None, None]:
+        """Note the latest round the node named (its round window); with a network, stop
+        at the crash time and, before an action, wait while offline."""
+        if isinstance(r := getattr(eff, "round", None), int) and r > self.round:
+            self.round = r
+        if self.network is not None:
+            self._live(isinstance(eff, (Send, Train, Compute)))
+        yield from ()
+
+    def send(self, node: int, eff: Send) -> None:
+        self._send(eff)
+
+    def recv(self, node: int, eff: Recv) -> Generator[None, None, list[Message]]:
+        yield from ()
+        return self._recv(eff)
+
+    def sleep(self, node: int, until: float) -> Generator[None, None, None]:
+        yield from ()
+        self._drain_until(until)
+
+    def compute(self, node: int, eff: Train | Compute) -> Generator[None, None, Any]:
+        """Run it here; a node that serves (``Serve``) trains in a thread meanwhile and
+        answers what arrives from this one, between the behaviour's steps as always."""
+        yield from ()
+        if node not in self.servers:
+            return self.worker.perform(node, eff, self.now())[0]
+        with ThreadPoolExecutor(1, thread_name_prefix=f"p2pfl-{self.name}") as pool:
+            job = pool.submit(self.worker.perform, node, eff, self.now())
+            while not job.done():
+                if self.inbox_socket.poll(SERVE_POLL_MS):
+                    self.receive()
+            return job.result()[0]
 
     def _live(self, acts: bool) -> None:
         """Stop at the crash time; before an action (``acts``), wait while offline."""
@@ -336,11 +353,6 @@ class ZmqNode:
         while (remaining := until - self.now()) > 0:
             if self.inbox_socket.poll(max(1, int(remaining * 1000))):
                 self.receive()
-
-    def _neighbours(self, eff: Neighbours) -> list[int]:
-        if self.network is None:
-            return self.topology.neighbours(self.node)
-        return self.network.neighbours(self.node, eff.round, self.now(), eff.incoming)
 
     def close(self, abort: bool = False) -> None:
         """Close every socket: after a finished behaviour, deliver what is queued first (up to
@@ -541,7 +553,8 @@ class ZmqNode:
         self.ledger.flush()  # a peer that is killed later keeps what it recorded
         if offline:
             return None
-        self.inbox.append(msg)
+        if not self.serves(self.node, msg):
+            self.inbox.append(msg)
         return msg
 
     def _need(self, msg: Message) -> tuple[int, int]:

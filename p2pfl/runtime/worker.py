@@ -292,6 +292,16 @@ class Worker:
         self._log(now, eff.round, name, "loss", loss)
         return acc, loss
 
+    def probe(self, now: float, round: int, state: State) -> float:
+        """Score the run's model (``eval.every_s``) and log it as the ``run`` rows; return
+        its accuracy."""
+        acc, loss = self.trainer.evaluate(
+            state, self.data.test_x, self.data.test_y, self._server_device
+        )
+        self._log(now, round, "run", "accuracy", acc)
+        self._log(now, round, "run", "loss", loss)
+        return acc
+
     def _score(self, node: int, state: State) -> tuple[float, float]:
         return self.trainer.evaluate(state, self.data.test_x, self.data.test_y, self.device(node))
 
