@@ -81,7 +81,7 @@ def child(method: str, peers: int, rounds: int, threads: int) -> dict:
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as out:
         reporters = open_reporters(Path(out))
-        finals, _, clock, _ = _simulate(setup, Path(out), False, reporters)
+        finals, _, clock, *_ = _simulate(setup, Path(out), False, reporters)
         reporters.close()
     wall = time.perf_counter() - start
     gc.collect()

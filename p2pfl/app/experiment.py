@@ -168,7 +168,11 @@ def run(
     reporters = open_reporters(out, setup.eval.reporters)
     try:
         if transport == "sim":
-            finals, baselines, clock, comm = _simulate(setup, out, progress, reporters, ranks)
+            finals, baselines, clock, comm, stopped = _simulate(
+                setup, out, progress, reporters, ranks
+            )
+            if setup.stop is not None:
+                summary["stop"] = stopped
         else:
             outcome = (
                 launch(setup, out, reporters) if gathered is None
@@ -259,8 +263,9 @@ def _wait(figure: Forked | None) -> int:
 
 def _simulate(
     setup: Setup, out: Path, progress: bool, metrics: Reporter, ranks: Ranks | None = None
-) -> tuple[dict[int, Finish], dict[str, float], float, dict[str, Any]]:
-    """Run every node on one SimPy clock; return finals, baselines, end time and ledger."""
+) -> tuple[dict[int, Finish], dict[str, float], float, dict[str, Any], dict[str, Any]]:
+    """Run every node on one SimPy clock; return finals, baselines, end time, ledger and
+    what ended the run (``stop:``: which condition, or ``rounds``; the samples trained)."""
     if ranks is not None:
         ranks.agree(_fingerprint(setup.config) + setup.data.counts.tobytes())
         ranks.take_gpu(setup.devices)
@@ -288,7 +293,8 @@ def _simulate(
         ledger.close()
         if setup.network is not None:
             save_availability(setup.network, runtime.now, out)
-    return finals, worker.baselines, runtime.now, ledger.summary()
+    stopped = {"by": runtime.halted or "rounds", "samples": runtime.samples}
+    return finals, worker.baselines, runtime.now, ledger.summary(), stopped
 
 
 _PATHS = frozenset({"root", "file", "trace", "plugins", "curve_keys", "devices"})

@@ -162,7 +162,7 @@ def run_peer(
     zn = ZmqNode(
         node, setup.topology, worker, ledger, transport, setup.compression,
         setup.network, model_schema(setup.trainer.module(torch.device("cpu"))),
-        worker.total_rounds,
+        worker.total_rounds, setup.stop,
     )  # fmt: skip
     result: dict[str, Any] = {"node": name, "status": "failed"}
     started = time.monotonic()

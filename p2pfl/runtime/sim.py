@@ -291,9 +291,9 @@ class SimRuntime(Interpreter):
 
     def _trained(self, eff: Train | Compute, value: Any) -> Any:
         """Count a finished training's samples; stop the run at ``stop.samples``."""
-        if isinstance(eff, Train) and self.stop is not None and self.stop.samples is not None:
+        if isinstance(eff, Train) and self.stop is not None:
             self.trained(value)
-            if self.samples >= self.stop.samples:
+            if self.stop.samples is not None and self.samples >= self.stop.samples:
                 self._halt("samples")
         return value
 

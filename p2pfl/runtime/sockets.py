@@ -52,6 +52,7 @@ from p2pfl.network.topology import Topology
 from p2pfl.network.wire import WireError, decode, encode_parts
 from p2pfl.runtime.interpreter import Interpreter, run_blocking
 from p2pfl.runtime.mailbox import describe, matches, take
+from p2pfl.runtime.setup import StopConfig
 from p2pfl.runtime.worker import Worker
 
 log = logging.getLogger("p2pfl.transport")
@@ -182,6 +183,10 @@ def check_tensors(
         raise WireError(f"model message is not the model (tensor {first!r})")
 
 
+class Halted(Exception):
+    """A ``stop:`` condition was met at this node (its key: ``time_s``, ``samples``)."""
+
+
 class Crashed(RunError):
     """This node reached its crash time (``network.crashes``) or left for good."""
 
@@ -200,6 +205,7 @@ class ZmqNode(Interpreter):
         network: Network | None = None,
         schema: Schema | None = None,
         rounds: int = 0,
+        stop: StopConfig | None = None,
     ) -> None:
         super().__init__()
         self.node = node
@@ -223,6 +229,10 @@ class ZmqNode(Interpreter):
         model_bytes = sum(math.prod(s) * d.itemsize for s, d in self.schema.values())
         self.backlog_bytes = max(MAX_BACKLOG_BYTES, 4 * model_bytes)
         self.rounds = rounds  # the run's (the method's total_rounds)
+        self.stop_cfg = stop
+        self.keep_latest = stop is not None
+        self.stop_at = stop.time_s if stop is not None and stop.time_s is not None else math.inf
+        self.halted: str | None = None  # why a stop: section ended this node
         self.round = 0  # the latest round this node's own effects named
         self.dropped: Counter[tuple[int | None, str]] = Counter()  # (claimed sender, cause)
         self.stop: Message | None = None  # the last stop frame the behaviour took
@@ -273,7 +283,11 @@ class ZmqNode(Interpreter):
     def run(self, behaviour: Behaviour) -> Finish:
         """Drive the behaviour to its end; a timeout or bad send raises ``RunError``, and so
         does a method that fails on the messages it was just handed (:meth:`resume`)."""
-        run_blocking(self.drive(self.node, behaviour))
+        try:
+            run_blocking(self.drive(self.node, behaviour))
+        except Halted as e:  # a stop: section's condition: the node keeps its latest model
+            self.halted = str(e)
+            self.stopped_finals([self.node])
         finish = self.finals.get(self.node)
         if finish is None:
             raise RunError(f"{self.name} ended without declaring its final model")
@@ -306,6 +320,8 @@ class ZmqNode(Interpreter):
     def before(self, node: int, eff: Effect) -> Generator[None, None, None]:
         """Note the latest round the node named (its round window); with a network, stop
         at the crash time and, before an action, wait while offline."""
+        if self.halted or self.now() >= self.stop_at:
+            raise Halted(self.halted or "time_s")
         if isinstance(r := getattr(eff, "round", None), int) and r > self.round:
             self.round = r
         if self.network is not None:
@@ -328,13 +344,20 @@ class ZmqNode(Interpreter):
         answers what arrives from this one, between the behaviour's steps as always."""
         yield from ()
         if node not in self.servers:
-            return self.worker.perform(node, eff, self.now())[0]
-        with ThreadPoolExecutor(1, thread_name_prefix=f"p2pfl-{self.name}") as pool:
-            job = pool.submit(self.worker.perform, node, eff, self.now())
-            while not job.done():
-                if self.inbox_socket.poll(SERVE_POLL_MS):
-                    self.receive()
-            return job.result()[0]
+            value = self.worker.perform(node, eff, self.now())[0]
+        else:
+            with ThreadPoolExecutor(1, thread_name_prefix=f"p2pfl-{self.name}") as pool:
+                job = pool.submit(self.worker.perform, node, eff, self.now())
+                while not job.done():
+                    if self.inbox_socket.poll(SERVE_POLL_MS):
+                        self.receive()
+                value = job.result()[0]
+        share = self.stop_cfg.samples if self.stop_cfg is not None else None
+        if isinstance(eff, Train) and share is not None:
+            self.trained(value)  # each node counts its own, against its share of the total
+            if self.samples * self.topology.num_peers >= share:
+                self.halted = "samples"
+        return value
 
     def _live(self, acts: bool) -> None:
         """Stop at the crash time; before an action (``acts``), wait while offline."""
@@ -350,7 +373,7 @@ class ZmqNode(Interpreter):
 
     def _drain_until(self, until: float) -> None:
         """Sleep until ``until`` on the run's clock, taking in (or, offline, dropping) frames."""
-        while (remaining := until - self.now()) > 0:
+        while (remaining := min(until, self.stop_at) - self.now()) > 0:
             if self.inbox_socket.poll(max(1, int(remaining * 1000))):
                 self.receive()
 
@@ -418,7 +441,9 @@ class ZmqNode(Interpreter):
             return self._took(take(self.inbox, recv, partial=True) or [])
         deadline = time.monotonic() + self.transport.timeout_s
         while (got := take(self.inbox, recv)) is None:
-            remaining = deadline - time.monotonic()
+            if self.now() >= self.stop_at:
+                raise Halted("time_s")
+            remaining = min(deadline - time.monotonic(), self.stop_at - self.now())
             if remaining <= 0:
                 raise RunError(
                     f"{self.name} waited {self.transport.timeout_s:g} s for "
@@ -486,6 +511,8 @@ class ZmqNode(Interpreter):
         out: dict[str, Any] = {"rejected_frames": self.rejected, "rejected": by}
         if self.stop is not None:
             out["stop"] = {"from": name(self.stop.src), "round": self.stop.round}
+        if self.halted is not None:
+            out["stopped"] = self.halted
         return out
 
     def _drain_until_taken(self, recv: Recv) -> None:
@@ -495,6 +522,7 @@ class ZmqNode(Interpreter):
         deadline = recv.deadline
         if deadline == float("inf"):
             deadline = self.now() + self.transport.timeout_s
+        deadline = min(deadline, self.stop_at)
         while self.inbox_socket.poll(0):  # what has arrived counts, even past the deadline
             self.receive()
         while not sum(matches(recv, m) for m in self.inbox) >= recv.count:
