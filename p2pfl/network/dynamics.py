@@ -551,15 +551,30 @@ class Network:
         lost = bool(rng.random() < p) if p else False
         return lost, self.jitter.draw(rng) if self.jitter else 0.0
 
-    def fate(self, src: int, dst: int, sent: float, arrival: float, lost: bool) -> str:
-        """What happened to a message sent at ``sent`` that would arrive at ``arrival``."""
+    def departure(
+        self, src: int, dst: int, round: int | None, t: float
+    ) -> tuple[str | None, bool, float]:
+        """What the network decides as a message of ``round`` leaves ``src`` at ``t``:
+        ``no_link`` if the graph in force has no such edge (nothing leaves, nothing is
+        drawn), else ``None`` with the sender's draws (``on_send``: lost, jitter)."""
+        if self.changes_graph and not self.adjacent(src, dst, round, t):
+            return "no_link", False, 0.0
+        return None, *self.on_send(src, dst)
+
+    def fate(
+        self, src: int, dst: int, sent: float, arrival: float, lost: bool, receiver: bool = True
+    ) -> str:
+        """What happened to a message sent at ``sent`` that would arrive at ``arrival``
+        (the one place a message's fate is decided, after ``departure``). ``receiver=False``:
+        the sender's part only (over sockets, where an offline receiver drops what reaches
+        it itself): ``delivered`` then means it goes."""
         if self.partitioned(src, dst, sent):
             return "partitioned"
         if lost:
             return "lost"
         if self.crashed(dst, arrival):
             return "crashed"
-        if not self.online(dst, arrival):
+        if receiver and not self.online(dst, arrival):
             return "offline"
         return "delivered"
 

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import gc
 import math
-from collections import deque
 from collections.abc import Callable, Generator
 from typing import Any
 
@@ -50,6 +49,7 @@ from p2pfl.runtime.interpreter import Interpreter
 from p2pfl.runtime.mailbox import describe, matches, take
 from p2pfl.runtime.setup import StopConfig
 from p2pfl.runtime.train_batcher import TrainBatcher
+from p2pfl.runtime.uplinks import FifoUplinks, InFlight, SharedUplinks, Uplinks
 from p2pfl.runtime.worker import Worker
 
 
@@ -69,7 +69,6 @@ class SimRuntime(Interpreter):
     ) -> None:
         super().__init__()
         self.env = simpy.Environment()
-        self.shared = uplink == "shared"
         self.network = network
         self.gone: set[int] = set()  # crashed, or offline for good (a trace that ends down)
         self.end = 0.0  # when the last node ended or the last message landed
@@ -83,15 +82,6 @@ class SimRuntime(Interpreter):
         self.wakeup: dict[int, simpy.Event] = {}
         self.links: dict[tuple[int, int], Link] = {}  # the topology's, as senders use them
         self.missing: dict[int, int] = {}  # matching messages a waiting node still lacks
-        # each sender's uplink: (message, frame size, send time, link, lost on its link,
-        # jitter), the head in transfer
-        self.uplink: dict[int, deque[tuple[Message, int, float, Link, bool, float]]] = {
-            n: deque() for n in nodes
-        }
-        # with a shared uplink: each one's bits still to send, per transfer under way (in the
-        # order of the uplink queue), and when they were counted
-        self.left: dict[int, list[float]] = {n: [] for n in nodes}
-        self.counted: dict[int, float] = {n: 0.0 for n in nodes}
         self.waiting: dict[int, Recv] = {}
         self.dropped: dict[int, dict[str, int]] = {}  # per receiver: undelivered, by fate
         # what tells the end of the run: nodes still running, those of them listening
@@ -100,7 +90,8 @@ class SimRuntime(Interpreter):
         self.alive = 0
         self.listening = 0
         self.inert = 0
-        self.armed: dict[int, simpy.Event] = {}  # each shared uplink's live timer
+        kind = SharedUplinks if uplink == "shared" else FifoUplinks
+        self.uplinks: Uplinks = kind(self.env, nodes, self._arrive, self._idle)
         self.batcher = TrainBatcher(self.env, worker)
         self.stop = stop
         self.probe_s = probe_s
@@ -331,31 +322,19 @@ class SimRuntime(Interpreter):
 
     def _send(self, src: int, eff: Send) -> None:
         net, now = self.network, self.env.now
-        if net is not None and net.changes_graph:
-            linked = net.adjacent(src, eff.dst, eff.round, now)
-        else:
+        if net is None or not net.changes_graph:
             self._link(src, eff.dst)  # a fixed graph: sending to a non-neighbour is an error
-            linked = True
         msg = Message(eff.kind, src, eff.dst, eff.round, eff.tensors, eff.meta)
         received, size = deliver(msg, choose(self.compression, eff.kind, eff.codec))
         if net is None:
             link, lost, jitter = self._link(src, eff.dst), False, 0.0
-        elif not linked:  # the graph changed under the sender: nothing leaves
-            self._record(received, size, now, now, "no_link")
-            return
         else:
+            fate, lost, jitter = net.departure(src, eff.dst, eff.round, now)
+            if fate is not None:  # the graph changed under the sender: nothing leaves
+                self._record(received, size, now, now, fate)
+                return
             link = net.link(src, eff.dst)
-            lost, jitter = net.on_send(src, eff.dst)
-        queue = self.uplink[src]
-        if self.shared:
-            self._count(src)
-            queue.append((received, size, now, link, lost, jitter))
-            self.left[src].append(8.0 * size)
-            self._next_done(src)
-            return
-        queue.append((received, size, now, link, lost, jitter))
-        if len(queue) == 1:
-            self._transmit(src)
+        self.uplinks.put(src, InFlight(received, size, now, link, lost, jitter))
 
     def _link(self, src: int, dst: int) -> Link:
         """The topology's link from ``src`` to ``dst``, looked up in its graph once; a sender
@@ -371,72 +350,6 @@ class SimRuntime(Interpreter):
                 ) from None
         return link
 
-    # A shared uplink: every transfer under way moves at its link's bandwidth / their
-    # number; one timer per uplink, for the next transfer to finish (re-armed, and the old
-    # one ignored, whenever a transfer starts or ends).
-    def _count(self, src: int) -> None:
-        """Take off each transfer's bits sent since they were last counted."""
-        now, left = self.env.now, self.left[src]
-        share = (now - self.counted[src]) / max(len(left), 1)
-        for i, (*_, link, _lost, _jitter) in enumerate(self.uplink[src]):
-            left[i] -= share * link.bandwidth_bps
-        self.counted[src] = now
-
-    def _next_done(self, src: int) -> None:
-        """Arm the uplink's timer for the transfer that will finish first."""
-        stale = self.armed.pop(src, None)
-        if stale is not None and not stale.processed:
-            self._idle(stale)  # re-armed: the old timer will be ignored
-        if not self.left[src]:
-            return
-        k = len(self.left[src])
-        due = min(
-            max(bits, 0.0) * k / item[3].bandwidth_bps
-            for bits, item in zip(self.left[src], self.uplink[src], strict=True)
-        )
-        timer = self.armed[src] = self.env.timeout(due)
-        timer.callbacks.append(lambda ev: self._shared_done(src, ev))
-
-    def _shared_done(self, src: int, timer: simpy.Event) -> None:
-        """The uplink's timer: the transfers whose last bit has left arrive ``latency_s`` later."""
-        if self.armed.get(src) is not timer:  # a timer re-armed since
-            return
-        self._count(src)
-        left, queue, now = self.left[src], self.uplink[src], self.env.now
-        # done: the bits left are rounding, or too few to move the clock (late in a long
-        # run, a float step of it is worth more bits than the first test allows)
-        done = [i for i, (bits, item) in enumerate(zip(left, queue, strict=True))
-                if bits <= 1e-9 * 8.0 * item[1]
-                or now + bits * len(left) / item[3].bandwidth_bps == now]  # fmt: skip
-        for i in done:  # in the order they were sent
-            msg, size, sent, link, lost, jitter = queue[i]
-            arrival = self.env.timeout(link.latency_s + jitter)
-            arrival.callbacks.append(self._landing(msg, size, sent, lost))
-        for i in reversed(done):
-            del queue[i], left[i]
-        self._next_done(src)
-
-    def _landing(self, msg: Message, size: int, sent: float, lost: bool) -> Callable[[Any], None]:
-        return lambda _: self._arrive(msg, size, sent, lost)
-
-    # A transfer is two timeouts with callbacks, not a SimPy process per message: the same
-    # simulated times (uplink held for transfer_s from the moment it frees, then latency_s),
-    # at a tenth of the cost.
-    def _transmit(self, src: int) -> None:
-        """Put the head of ``src``'s uplink queue on the wire."""
-        _, size, _, link, _, _ = self.uplink[src][0]
-        done = self.env.timeout(link.transfer_s(size))
-        done.callbacks.append(lambda _: self._transmitted(src))
-
-    def _transmitted(self, src: int) -> None:
-        """The head's last bit has left ``src``: it arrives ``latency_s`` later, and the
-        uplink takes the next message."""
-        msg, size, sent, link, lost, jitter = self.uplink[src].popleft()
-        arrival = self.env.timeout(link.latency_s + jitter)
-        arrival.callbacks.append(lambda _: self._arrive(msg, size, sent, lost))
-        if self.uplink[src]:
-            self._transmit(src)
-
     def _record(self, msg: Message, size: int, sent: float, at: float, fate: str) -> None:
         name = self.topology.name
         self.ledger.record(sent, msg.round, name(msg.src), name(msg.dst), msg.kind, size, at, fate)
@@ -444,7 +357,8 @@ class SimRuntime(Interpreter):
             dropped = self.dropped.setdefault(msg.dst, {})
             dropped[fate] = dropped.get(fate, 0) + 1
 
-    def _arrive(self, msg: Message, size: int, sent: float, lost: bool) -> None:
+    def _arrive(self, item: InFlight) -> None:
+        msg, size, sent, lost = item.msg, item.size, item.sent, item.lost
         src, dst, now = msg.src, msg.dst, self.env.now
         self.end = max(self.end, now)
         if self.network is None:

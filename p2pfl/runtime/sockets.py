@@ -421,19 +421,14 @@ class ZmqNode(Interpreter):
             ) from None
 
     def _fate_at_send(self, eff: Send) -> str | None:
-        """What the network does to this message before it leaves (``None``: it goes)."""
+        """What the network does to this message before it leaves (``None``: it goes): the
+        simulation's fate, judged by the sender now (its arrival is the real network's)."""
         net, now = self.network, self.now()
         assert net is not None
-        if net.changes_graph and not net.adjacent(self.node, eff.dst, eff.round, now):
-            return "no_link"
-        lost, _ = net.on_send(self.node, eff.dst)  # drawn for every message, as simulated
-        if net.partitioned(self.node, eff.dst, now):
-            return "partitioned"
-        if lost:
-            return "lost"
-        if net.crashed(eff.dst, now):
-            return "crashed"
-        return None
+        fate, lost, _ = net.departure(self.node, eff.dst, eff.round, now)
+        if fate is None:
+            fate = net.fate(self.node, eff.dst, now, now, lost, receiver=False)
+        return None if fate == "delivered" else fate
 
     def _recv(self, recv: Recv) -> list[Message]:
         if recv.deadline is not None:
