@@ -270,11 +270,7 @@ def _simulate(
         ranks.agree(_fingerprint(setup.config) + setup.data.counts.tobytes())
         ranks.take_gpu(setup.devices)
     ledger = Ledger(out / "comm.csv", fates=setup.network is not None)
-    worker = Worker(
-        setup.trainer, setup.data, setup.train, setup.population, setup.topology, setup.seed,
-        metrics, setup.eval.every, setup.method.total_rounds(setup.topology.num_peers), out,
-        progress, ranks,
-    )  # fmt: skip
+    worker = Worker(setup, metrics, out, progress, ranks)
     runtime = SimRuntime(
         setup.topology, worker, ledger, setup.compression, setup.network,
         setup.population.uplink, setup.stop, setup.eval.every_s,

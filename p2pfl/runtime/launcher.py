@@ -155,10 +155,7 @@ def run_peer(
     mine.mkdir(parents=True, exist_ok=True)
     (mine / "config.yaml").write_text(yaml.safe_dump(setup.config, sort_keys=False))  # to merge
     metrics, ledger = CsvReporter(mine), Ledger(mine / "comm.csv", setup.network is not None)
-    worker = Worker(
-        setup.trainer, setup.data, setup.train, setup.population, setup.topology, setup.seed,
-        metrics, setup.eval.every, setup.method.total_rounds(setup.topology.num_peers), out,
-    )  # fmt: skip
+    worker = Worker(setup, metrics, out)
     zn = ZmqNode(
         node, setup.topology, worker, ledger, transport, setup.compression,
         setup.network, model_schema(setup.trainer.module(torch.device("cpu"))),

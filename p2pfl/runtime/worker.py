@@ -16,24 +16,21 @@ import torch
 from tqdm import tqdm
 
 from p2pfl.core.seeding import torch_generator
-from p2pfl.data.federated import FederatedData
 from p2pfl.learning import batched
 from p2pfl.learning.ensemble import score_ensemble
 from p2pfl.learning.state import State
 from p2pfl.learning.training import (
     Proximal,
     TrainConfig,
-    Trainer,
     TrainResult,
     resolve_device,
     work,
 )
 from p2pfl.methods.effects import Artifact, Compute, Effect, Evaluate, Log, Report, Train
-from p2pfl.network.peers import Population
-from p2pfl.network.topology import Topology
 from p2pfl.reporting.heatmap import save_heatmap, save_matrix_csv
 from p2pfl.reporting.reporters import Reporter
 from p2pfl.runtime.ranks import Ranks
+from p2pfl.runtime.setup import Setup
 
 _Group = tuple[TrainConfig, torch.device, float | None]
 """A batched group's key: the trainings' config, device and proximal ``mu``."""
@@ -44,35 +41,32 @@ class Worker:
 
     def __init__(
         self,
-        trainer: Trainer,
-        data: FederatedData,
-        train_cfg: TrainConfig,
-        population: Population,
-        topology: Topology,
-        seed: int,
+        setup: Setup,
         metrics: Reporter,
-        eval_every: int,
-        total_rounds: int,
         out: Path | None = None,
         progress: bool = False,
         ranks: Ranks | None = None,
     ) -> None:
-        self.trainer = trainer
-        self.data = data
-        self.train_cfg = train_cfg
-        self.population = population
-        self.topology = topology
-        self.seed = seed
+        self.trainer = setup.trainer
+        self.data = setup.data
+        self.train_cfg = setup.train
+        self.population = setup.population
+        self.topology = setup.topology
+        self.seed = setup.seed
         self.metrics = metrics
-        self.eval_every = eval_every
-        self.total_rounds = total_rounds
+        self.eval_every = setup.eval.every
+        self.total_rounds = setup.method.total_rounds(setup.topology.num_peers)
         self.out = out
         self.baselines: dict[str, float] = {}
-        self._bar = tqdm(total=total_rounds, unit="round", disable=not progress, leave=False)
+        bounded = setup.stop is None  # a stop: section's rounds may be unbounded
+        self._bar = tqdm(
+            total=self.total_rounds if bounded else None, unit="round",
+            disable=not progress, leave=False,
+        )  # fmt: skip
         self._devices = {
-            p: resolve_device(prof.device) for p, prof in enumerate(population.profiles)
+            p: resolve_device(prof.device) for p, prof in enumerate(self.population.profiles)
         }
-        self._server_device = resolve_device(population.profiles[0].device)
+        self._server_device = resolve_device(self.population.profiles[0].device)
         self._pool: batched.DataPool | None = None
         self.ranks = ranks
         self._evals: list[tuple[int, State]] = []  # deferred evaluations (over ranks)
