@@ -102,12 +102,12 @@ def _named(
     registry: Any, options: dict[str, Any], skip: int, common: Any = None, common_skip: int = 0
 ) -> dict[str, Any]:
     """Check a ``{name, ...}`` section against its registered component; return it resolved."""
+    if common is None:
+        return registry.resolve(options, skip)
     if "name" not in options:
         raise ConfigError("name", f"missing; choose one of: {', '.join(registry.names())}")
     fn = registry.get(options["name"])
     rest = {k: v for k, v in options.items() if k != "name"}
-    if common is None:
-        return {"name": options["name"]} | bind(fn, rest, skip, also=("name",))
     own, shared = bind_with_common(fn, common, rest, skip, common_skip)
     return {"name": options["name"]} | own | shared
 

@@ -205,6 +205,18 @@ class Registry(Generic[T]):
             )
         return self._items[name]
 
+    def resolve(self, option: str | dict[str, Any], skip: int = 0) -> dict[str, Any]:
+        """A component named, or a mapping with ``name`` and its keys, checked against the
+        registered component's signature (its first ``skip`` parameters are not keys):
+        ``{name, **keys}`` with the defaults filled in — what ``config.yaml`` holds."""
+        if isinstance(option, str):
+            option = {"name": option}
+        if "name" not in option:
+            raise ConfigError("name", f"missing; choose one of: {', '.join(self.names())}")
+        fn = self.get(option["name"])
+        rest = {k: v for k, v in option.items() if k != "name"}
+        return {"name": option["name"]} | bind(fn, rest, skip, also=("name",))
+
     def names(self) -> list[str]:
         return sorted(self._items)
 

@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from p2pfl.core.errors import ConfigError, TopologyMisfit
-from p2pfl.core.options import Registry, bind
+from p2pfl.core.options import Registry
 from p2pfl.learning.state import State, average_states
 
 
@@ -70,17 +70,12 @@ def resolve_aggregator(option: str | dict) -> dict[str, Any]:
     checked, the rule's own checks included, and written out as a mapping with every key of
     the rule, its defaults filled in (what ``config.yaml`` holds); a ``ConfigError`` keyed
     ``aggregator.KEY`` (an unknown name lists the registered ones)."""
-    if isinstance(option, str):
-        option = {"name": option}
     try:
-        if "name" not in option:
-            raise ConfigError("name", f"missing; choose one of: {', '.join(AGGREGATORS.names())}")
-        cls = AGGREGATORS.get(option["name"])
-        keys = bind(cls, {k: v for k, v in option.items() if k != "name"}, also=("name",))
-        cls(**keys)  # its own checks
-    except ConfigError as e:
+        keys = AGGREGATORS.resolve(option)
+        AGGREGATORS.get(keys["name"])(**{k: v for k, v in keys.items() if k != "name"})
+    except ConfigError as e:  # the rule's own checks too
         raise e.within("aggregator") from None
-    return {"name": option["name"]} | keys
+    return keys
 
 
 def parse_aggregator(option: str | dict) -> Aggregator:
