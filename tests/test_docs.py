@@ -30,6 +30,29 @@ def test_readme_layer_table_names_every_subpackage():
     assert sorted(r for r in rows if r.endswith("/")) == packages
 
 
+def test_readme_layer_table_names_every_module():
+    """Each module ``p2pfl/PKG/PATH.py`` is named `PATH.py` in row `PKG/` (a nested one as
+    `attacks/alie.py`), each top-level one in its own row, and no row names a module that
+    is not there."""
+    cells = dict(re.findall(r"^\| `([^`]+)` \| (.*) \|[^|]*\|$", README, re.M))
+    named = {
+        (row if row.endswith("/") else "", token)
+        for row, cell in cells.items()
+        for token in re.findall(r"`([^`]+\.py)`", cell if row.endswith("/") else f"`{row}`")
+    }
+    modules = set()
+    for path in (ROOT / "p2pfl").rglob("*.py"):
+        rel = path.relative_to(ROOT / "p2pfl")
+        if path.name in ("__init__.py", "__main__.py") or "__pycache__" in rel.parts:
+            continue
+        if len(rel.parts) == 1:
+            modules.add(("", f"p2pfl/{rel}"))
+        else:
+            modules.add((f"{rel.parts[0]}/", "/".join(rel.parts[1:])))
+    assert sorted(modules - named) == []  # modules the table leaves out
+    assert sorted(named - modules) == []  # modules it names that are not there
+
+
 def test_nothing_cites_the_unpublished_specs():
     files = [ROOT / "README.md"] + [
         path
