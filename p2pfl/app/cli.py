@@ -644,13 +644,13 @@ def cmd_peer(args: argparse.Namespace) -> int:
 
 def _peer(args: argparse.Namespace) -> int:
     from p2pfl.runtime import launcher
-    from p2pfl.runtime.sockets import TransportConfig, check_curve_keys
+    from p2pfl.runtime.sockets import check_curve_keys
 
     start_at = None if args.start_at is None else _start_at(args.start_at)
     setup = _setup(args)
     nodes = launcher.node_ids(setup, args.peer)
     addresses = launcher.read_addresses(Path(args.addresses), setup)
-    transport = TransportConfig(**setup.config["transport"])
+    transport = setup.transport
     try:
         check_curve_keys(transport, setup.topology, nodes)
     except ConfigError as e:

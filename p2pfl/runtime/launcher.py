@@ -149,7 +149,7 @@ def run_peer(
 ) -> int:
     """Run one node; write ``out/peers/NAME/``; return the process exit code. ``start_at``:
     the wall-clock time (Unix seconds) at which its clock starts, the same on every host."""
-    transport = TransportConfig(**setup.config["transport"])
+    transport = setup.transport
     name = setup.topology.name(node)
     mine = out / "peers" / name
     mine.mkdir(parents=True, exist_ok=True)
@@ -282,7 +282,7 @@ def _late(procs: dict[int, Forked], n: int, setup: Setup, t0: float, ended_at: f
     network brought it back online): nothing it could wait for is left, so it is hung
     (SIGSTOP, a deadlock), and no receive times out on it where a ``network:`` section lets
     its neighbours go on."""
-    timeout = TransportConfig(**setup.config["transport"]).timeout_s
+    timeout = setup.transport.timeout_s
     due = ended_at
     if setup.network is not None and (back := setup.network.next_online(n, ended_at)) < math.inf:
         due = back
@@ -356,7 +356,7 @@ def _start_signal(start: object) -> tuple[float, dict[int, str]]:
 def launch(setup: Setup, out: Path, reporters: Reporter) -> Outcome:
     """Run every node of ``setup`` as its own process on this host; merge their outputs
     (their metric rows go to ``reporters``, in time order)."""
-    transport = TransportConfig(**setup.config["transport"])
+    transport = setup.transport
     context = zmq.Context()
     ctl = context.socket(zmq.ROUTER)
     ctl.setsockopt(zmq.LINGER, 0)

@@ -79,6 +79,31 @@ class StopConfig:
             raise ConfigError("accuracy", f"must be in (0, 1], got {self.accuracy}")
 
 
+MAX_TIMEOUT_S = 1e6
+"""The longest timeout a run accepts (11.6 days; ZeroMQ counts milliseconds in an int32)."""
+
+
+@dataclass(frozen=True)
+class TransportConfig:
+    """The ``transport:`` section: how real (ZeroMQ) runs behave; ignored in simulation."""
+
+    timeout_s: float = 60.0
+    startup_timeout_s: float = 120.0
+    max_message_bytes: int = 1 << 30
+    host: str = "127.0.0.1"
+    curve_keys: str | None = None
+
+    def __post_init__(self) -> None:
+        for key in ("timeout_s", "startup_timeout_s", "max_message_bytes"):
+            if not getattr(self, key) > 0:
+                raise ConfigError(key, f"must be > 0, got {getattr(self, key)}")
+        for key in ("timeout_s", "startup_timeout_s"):  # socket options count int32 ms
+            if not getattr(self, key) <= MAX_TIMEOUT_S:
+                raise ConfigError(key, f"must be <= {MAX_TIMEOUT_S:g} s, got {getattr(self, key)}")
+        if self.max_message_bytes > 1 << 40:
+            raise ConfigError("max_message_bytes", "must be <= 2**40")
+
+
 UNBOUNDED_ROUNDS = 1_000_000
 """The rounds of a method whose run a ``stop:`` section bounds, when the user gives none."""
 
@@ -102,6 +127,11 @@ class Setup:
     @property
     def seed(self) -> int:
         return self.config["seed"]
+
+    @functools.cached_property
+    def transport(self) -> TransportConfig:
+        """The ``transport:`` section (how real runs behave), parsed once."""
+        return TransportConfig(**self.config["transport"])
 
     @functools.cached_property
     def compression(self) -> Compression:

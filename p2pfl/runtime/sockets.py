@@ -31,7 +31,6 @@ import time
 from collections import Counter
 from collections.abc import Generator, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -52,7 +51,7 @@ from p2pfl.network.topology import Topology
 from p2pfl.network.wire import WireError, decode, encode_parts
 from p2pfl.runtime.interpreter import Interpreter, run_blocking
 from p2pfl.runtime.mailbox import describe, matches, take
-from p2pfl.runtime.setup import StopConfig
+from p2pfl.runtime.setup import StopConfig, TransportConfig
 from p2pfl.runtime.worker import Worker
 
 log = logging.getLogger("p2pfl.transport")
@@ -74,30 +73,6 @@ MAX_META_BYTES = 64 << 10
 
 SERVE_POLL_MS = 5
 """How often a serving node that trains looks at its inbox (milliseconds at most)."""
-
-MAX_TIMEOUT_S = 1e6
-"""The longest timeout a run accepts (11.6 days; ZeroMQ counts milliseconds in an int32)."""
-
-
-@dataclass(frozen=True)
-class TransportConfig:
-    """The ``transport:`` section: how real (ZeroMQ) runs behave; ignored in simulation."""
-
-    timeout_s: float = 60.0
-    startup_timeout_s: float = 120.0
-    max_message_bytes: int = 1 << 30
-    host: str = "127.0.0.1"
-    curve_keys: str | None = None
-
-    def __post_init__(self) -> None:
-        for key in ("timeout_s", "startup_timeout_s", "max_message_bytes"):
-            if not getattr(self, key) > 0:
-                raise ConfigError(key, f"must be > 0, got {getattr(self, key)}")
-        for key in ("timeout_s", "startup_timeout_s"):  # socket options count int32 ms
-            if not getattr(self, key) <= MAX_TIMEOUT_S:
-                raise ConfigError(key, f"must be <= {MAX_TIMEOUT_S:g} s, got {getattr(self, key)}")
-        if self.max_message_bytes > 1 << 40:
-            raise ConfigError("max_message_bytes", "must be <= 2**40")
 
 
 class CurveKeys:
