@@ -3,7 +3,8 @@
 A method's constructor keywords are its ``algorithm:`` YAML keys (with type hints and
 defaults): the built-in methods are dataclasses whose fields are those keys, so a subclass
 (FedProx of FedAvg, FedFisher of the one-shot base) lists only the keys it adds and checks
-them in ``__post_init__``. ``behaviour(ctx)`` is the generator one node runs (see
+them in ``__post_init__``; a method that runs in rounds takes the ``rounds`` key, its check
+and ``total_rounds`` from :class:`Rounds`. ``behaviour(ctx)`` is the generator one node runs (see
 :mod:`p2pfl.methods.effects`); the same object serves every node, so it must keep no
 per-node state on ``self``.
 ``transfers(plan)`` lists the messages it sends, analytically (``p2pfl cost``). ``check``,
@@ -110,6 +111,22 @@ class Method:
         """Every message the method sends on ``plan.topology``, analytically (the formula of
         its cost, see :mod:`p2pfl.network.plan`); ``check`` has passed."""
         raise NotImplementedError(f"{self.name} has no analytic cost description")
+
+
+@dataclass(kw_only=True, eq=False)
+class Rounds(Method):
+    """A method that runs a number of rounds: the ``rounds`` key (>= 1), which is also what
+    the run logs. A subclass lists its own keys after it and calls
+    ``super().__post_init__()`` first."""
+
+    rounds: int = 20
+
+    def __post_init__(self) -> None:
+        if self.rounds < 1:
+            raise ConfigError("rounds", f"must be >= 1, got {self.rounds}")
+
+    def total_rounds(self, num_peers: int) -> int:
+        return self.rounds
 
 
 METHODS: Registry[type[Method]] = Registry("method")

@@ -33,20 +33,12 @@ from typing import Literal
 
 from p2pfl.core.errors import ConfigError, RunError
 from p2pfl.learning.robust import Aggregator, parse_aggregator
-from p2pfl.methods.base import METHODS, Method, NodeContext
-from p2pfl.methods.effects import (
-    Behaviour,
-    Evaluate,
-    Finish,
-    Neighbours,
-    Now,
-    Recv,
-    Send,
-    State,
-    Train,
-)
+from p2pfl.methods.base import METHODS, NodeContext, Rounds
+from p2pfl.methods.effects import Behaviour, Evaluate, Finish, State, Train
 from p2pfl.methods.relaxed import RelaxedInit, local_round, parse_relaxed_init
+from p2pfl.methods.steps import broadcast, deadline_in, gather, reachable
 from p2pfl.network.dynamics import Network
+from p2pfl.network.message import Message
 from p2pfl.network.plan import Plan, Transfer
 from p2pfl.network.topology import Topology
 
@@ -61,12 +53,11 @@ def metropolis_weights(topology: Topology, node: int) -> dict[int, float]:
 
 @METHODS.register("dfedavgm")
 @dataclass(kw_only=True, eq=False)
-class DFedAvgM(Method):
+class DFedAvgM(Rounds):
     """Local momentum SGD, then one gossip-averaging step with the neighbours, per round."""
 
     serverless = True
 
-    rounds: int = 20
     wait_s: float | None = None
     mixing: Literal["metropolis", "uniform"] = "metropolis"
     aggregator: str | dict = "mean"
@@ -75,15 +66,17 @@ class DFedAvgM(Method):
     rule: Aggregator = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        if self.rounds < 1:
-            raise ConfigError("rounds", "must be >= 1")
+        super().__post_init__()
         if self.wait_s is not None and not self.wait_s > 0:
             raise ConfigError("wait_s", "must be > 0")
         self.relaxed = parse_relaxed_init(self.relaxed_init)
         self.rule = parse_aggregator(self.aggregator)
 
-    def total_rounds(self, num_peers: int) -> int:
-        return self.rounds
+    @property
+    def live(self) -> bool:
+        """Whether a peer asks the network whom it can reach (``wait_s``, or ``mixing:
+        uniform`` for a graph that changes) rather than taking the graph's neighbours."""
+        return self.wait_s is not None or self.mixing == "uniform"
 
     def check(self, topology: Topology, seed: int) -> None:
         """Also: each peer's neighbours and itself are enough for the aggregator as set."""
@@ -115,47 +108,34 @@ class DFedAvgM(Method):
         return Train(state, round)
 
     def behaviour(self, ctx: NodeContext) -> Behaviour:
-        if self.wait_s is not None or self.mixing == "uniform":
-            return self.answered_behaviour(ctx)
-        return self.plain_behaviour(ctx)
-
-    def answered_behaviour(self, ctx: NodeContext) -> Behaviour:
-        """Each round: send to the reachable, mix with those that answer in time."""
-        weights = metropolis_weights(ctx.topology, ctx.node)
-        state = ctx.init_state()
-        last = state
-        for r in range(1, self.rounds + 1):
-            last, state = yield from local_round(
-                self.relaxed, self.local_train, state, last, ctx.trainable, r
+        """Sun et al. 2022, Algorithm 1, at node i (with ``wait_s``: mixing with the
+        neighbours that answered in time)."""
+        row = metropolis_weights(ctx.topology, ctx.node)  # w_il, row i of W
+        x = ctx.init_state()  # x^0(i) = x^0
+        last = x  # the last local model (FedInit's per-peer state)
+        for t in range(1, self.rounds + 1):
+            # z^t(i): K steps of SGD with momentum θ from x^t(i), the momentum restarted
+            last, z = yield from local_round(
+                self.relaxed, self.local_train, x, last, ctx.trainable, t
             )
-            senders = yield Neighbours(round=r, incoming=True)
-            for j in (yield Neighbours(round=r)):
-                yield Send(j, "model", r, state)
-            deadline = None if self.wait_s is None else (yield Now()) + self.wait_s
-            msgs = yield Recv(count=len(senders), round=r, deadline=deadline)
-            if self.mixing == "uniform":
-                mix = [1.0] * (1 + len(msgs))
-            else:
-                if any(m.src not in weights for m in msgs):
-                    raise RunError("metropolis mixing needs a static graph: set mixing: uniform")
-                answered = [weights[m.src] for m in msgs]
-                mix = [1.0 - sum(answered)] + answered
-            state = self.rule(state, [m.tensors for m in msgs], mix[1:], mix[0])
-            yield Evaluate(state, r)
-        yield Finish(state)
+            senders = yield from reachable(ctx, self.live, t, incoming=True)
+            receivers = yield from reachable(ctx, self.live, t)
+            yield from broadcast(receivers, "model", t, z)  # neighbours communicate z^t
+            deadline = yield from deadline_in(self.wait_s)
+            answers = yield from gather(len(senders), t, deadline)
+            x = self.mix(z, answers, row)  # x^{t+1}(i) = Σ_l w_il z^t(l)
+            yield Evaluate(x, t)
+        yield Finish(x)
 
-    def plain_behaviour(self, ctx: NodeContext) -> Behaviour:
-        weights = metropolis_weights(ctx.topology, ctx.node)
-        state = ctx.init_state()
-        last = state  # the last local model (FedInit's per-peer state)
-        for r in range(1, self.rounds + 1):
-            last, state = yield from local_round(
-                self.relaxed, self.local_train, state, last, ctx.trainable, r
-            )
-            for j in ctx.neighbours:
-                yield Send(j, "model", r, state)
-            msgs = yield Recv(count=len(ctx.neighbours), round=r)
-            others = [m.tensors for m in msgs]
-            state = self.rule(state, others, [weights[m.src] for m in msgs], weights[ctx.node])
-            yield Evaluate(state, r)
-        yield Finish(state)
+    def mix(self, own: State, answers: list[Message], row: dict[int, float]) -> State:
+        """Σ_l w_il z(l) over this peer and the neighbours that answered: Metropolis–Hastings
+        weights, a silent neighbour's weight staying with the peer (the row sums to 1), or
+        with ``mixing: uniform`` 1/(1 + answers) each; the aggregator as set combines them."""
+        if self.mixing == "uniform":
+            weights, own_weight = [1.0] * len(answers), 1.0
+        else:
+            if any(m.src not in row for m in answers):
+                raise RunError("metropolis mixing needs a static graph: set mixing: uniform")
+            weights = [row[m.src] for m in answers]
+            own_weight = 1.0 - sum(weights)
+        return self.rule(own, [m.tensors for m in answers], weights, own_weight)

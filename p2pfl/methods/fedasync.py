@@ -33,7 +33,7 @@ from p2pfl.core.errors import ConfigError
 from p2pfl.core.options import bind
 from p2pfl.learning.state import average_states
 from p2pfl.learning.training import Proximal
-from p2pfl.methods.base import METHODS, Method, NodeContext
+from p2pfl.methods.base import METHODS, NodeContext, Rounds
 from p2pfl.methods.effects import Behaviour, Evaluate, Finish, Log, Recv, Send, Train
 from p2pfl.methods.fedavg import is_stop, stop
 from p2pfl.network.plan import Plan, Transfer
@@ -100,29 +100,24 @@ def parse_staleness(option: str | dict[str, Any]) -> Staleness:
 
 @METHODS.register("fedasync")
 @dataclass(kw_only=True, eq=False)
-class FedAsync(Method):
+class FedAsync(Rounds):
     """Asynchronous federated optimization: every arriving model is mixed in at once, with a
     weight that decays with its staleness."""
 
     topologies = ("star",)
 
-    rounds: int = 20
     alpha: float = 0.6
     staleness: str | dict = "constant"
     rho: float = 0.0
     s: Staleness = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        if self.rounds < 1:
-            raise ConfigError("rounds", f"must be >= 1, got {self.rounds}")
+        super().__post_init__()
         if not 0 < self.alpha <= 1:
             raise ConfigError("alpha", f"must be in (0, 1], got {self.alpha}")
         if not self.rho >= 0:
             raise ConfigError("rho", f"must be >= 0, got {self.rho}")
         self.s = parse_staleness(self.staleness)
-
-    def total_rounds(self, num_peers: int) -> int:
-        return self.rounds
 
     def behaviour(self, ctx: NodeContext) -> Behaviour:
         return self.server(ctx) if ctx.is_server else self.worker(ctx)

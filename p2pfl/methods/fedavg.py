@@ -13,7 +13,9 @@ connected clients), waits at most ``deadline_s`` seconds and averages the models
 arrived (none: it keeps its model); a model carries its sample count in its metadata, so no
 ``control`` message can go missing on its own. Clients stop at the last possible end of the
 run when the server's stop message does not reach them. Without it, a lost message stalls
-the round (reported as a deadlock), exactly as before.
+the round (reported as a deadlock), exactly as before. One server and one client behaviour
+serve both, each written as the paper's Algorithm 1 with the shared steps of
+:mod:`p2pfl.methods.steps`.
 
 ``aggregator:`` replaces the server's mean by a robust rule (:mod:`p2pfl.learning.robust`:
 ``median``, ``trimmed_mean``, ``krum``, ``centered_clipping``, ...) against attacking peers
@@ -34,19 +36,10 @@ from typing import Literal
 from p2pfl.core.errors import ConfigError
 from p2pfl.core.seeding import numpy_rng
 from p2pfl.learning.robust import Aggregator, Mean, parse_aggregator
-from p2pfl.methods.base import METHODS, Method, NodeContext
-from p2pfl.methods.effects import (
-    Behaviour,
-    Evaluate,
-    Finish,
-    Neighbours,
-    Now,
-    Recv,
-    Send,
-    State,
-    Train,
-)  # fmt: skip
+from p2pfl.methods.base import METHODS, NodeContext, Rounds
+from p2pfl.methods.effects import Behaviour, Evaluate, Finish, Recv, Send, State, Steps, Train
 from p2pfl.methods.relaxed import RelaxedInit, local_round, parse_relaxed_init
+from p2pfl.methods.steps import broadcast, deadline_in, gather, reachable
 from p2pfl.network.message import Message
 from p2pfl.network.plan import Plan, Transfer
 from p2pfl.network.topology import Topology
@@ -54,12 +47,11 @@ from p2pfl.network.topology import Topology
 
 @METHODS.register("fedavg")
 @dataclass(kw_only=True, eq=False)
-class FedAvg(Method):
+class FedAvg(Rounds):
     """Server-side averaging of locally trained models, with partial participation."""
 
     topologies = ("star",)
 
-    rounds: int = 20
     participation: float = 1.0
     weighting: Literal["samples", "uniform"] = "samples"
     deadline_s: float | None = None
@@ -69,8 +61,7 @@ class FedAvg(Method):
     rule: Aggregator = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        if self.rounds < 1:
-            raise ConfigError("rounds", "must be >= 1")
+        super().__post_init__()
         if not 0 < self.participation <= 1:
             raise ConfigError("participation", "must be in (0, 1]")
         if self.deadline_s is not None and not self.deadline_s > 0:
@@ -83,8 +74,11 @@ class FedAvg(Method):
         """Whether peers send their sample counts: for the sample-weighted mean only."""
         return self.weighting == "samples" and isinstance(self.rule, Mean)
 
-    def total_rounds(self, num_peers: int) -> int:
-        return self.rounds
+    @property
+    def live(self) -> bool:
+        """Whether the run lives with a network that misbehaves (``deadline_s``): the server
+        samples among the peers it can reach and waits for them at most ``deadline_s``."""
+        return self.deadline_s is not None
 
     def check(self, topology: Topology, seed: int) -> None:
         """Also: the server's K models a round are enough for the aggregator as set."""
@@ -109,85 +103,69 @@ class FedAvg(Method):
         return sorted(int(p) for p in chosen)
 
     def behaviour(self, ctx: NodeContext) -> Behaviour:
-        if self.deadline_s is not None:
-            return self.deadline_server(ctx) if ctx.is_server else self.deadline_client(ctx)
         return self.server(ctx) if ctx.is_server else self.client(ctx)
 
-    def deadline_server(self, ctx: NodeContext) -> Behaviour:
-        """Rounds of at most ``deadline_s``: average whatever arrived in time."""
-        assert self.deadline_s is not None
-        state = ctx.init_state()
-        for r in range(1, self.rounds + 1):
-            start = yield Now()
-            chosen = self.sample(ctx.peers, ctx.seed, r, among=(yield Neighbours()))
-            for p in chosen:
-                yield Send(p, "model", r, state)
-            deadline = start + self.deadline_s
-            models = yield Recv(count=len(chosen), round=r, deadline=deadline)
-            if models:
-                weights = [m.meta["num_samples"] for m in models]
-                if not self.sends_counts:
-                    weights = [1] * len(models)
-                state = self.rule(state, [m.tensors for m in models], weights, 0.0)
-            yield Evaluate(state, r)
+    def server(self, ctx: NodeContext) -> Behaviour:
+        """McMahan et al. 2017, Algorithm 1, "Server executes" (a round lasts at most
+        ``deadline_s``, if set, and averages the models that came in time)."""
+        w = ctx.init_state()  # initialize w_0
+        for t in range(1, self.rounds + 1):  # for each round t
+            deadline = yield from deadline_in(self.deadline_s)
+            online = yield from reachable(ctx, self.live)
+            chosen = self.sample(ctx.peers, ctx.seed, t, among=online)  # S_t: m = max(C·K, 1)
+            yield from broadcast(chosen, "model", t, w)  # each k ∈ S_t: ClientUpdate(k, w_t)
+            updates = yield from gather(len(chosen), t, deadline)  # the w_{t+1}^k
+            if updates:  # w_{t+1} ← Σ_k n_k/m_t · w_{t+1}^k (or the robust rule)
+                n = yield from self.counts(updates, t)
+                w = self.rule(w, [u.tensors for u in updates], n, 0.0)
+            yield Evaluate(w, t)
         for p in ctx.peers:
             yield stop(p, self.rounds)
-        yield Finish(state, output=True)
+        yield Finish(w, output=True)
 
-    def deadline_client(self, ctx: NodeContext) -> Behaviour:
-        """Train what comes; stop on the server's word or when the run must be over."""
-        assert self.deadline_s is not None
-        held = ctx.init_state()
-        last_end = self.rounds * self.deadline_s
+    def counts(self, updates: list[Message], round: int) -> Steps[list[int]]:
+        """n_k of each update, in their order: 1 each where the rule takes no counts; else
+        from the model's metadata with a deadline, or from the clients' ``control`` messages
+        (see :meth:`upload`)."""
+        if not self.sends_counts:
+            return [1] * len(updates)
+        if self.live:
+            return [m.meta["num_samples"] for m in updates]
+        sizes = yield Recv(kinds=("control",), count=len(updates), round=round)
+        count = {m.src: m.meta["num_samples"] for m in sizes}
+        return [count[m.src] for m in updates]
+
+    def client(self, ctx: NodeContext) -> Behaviour:
+        """Algorithm 1, ClientUpdate(k, w) for each model the server sends, until its word to
+        stop (with a deadline: or the last possible end of the run, if the word is lost)."""
+        held = ctx.init_state()  # the last local model (FedInit's per-peer state)
+        last_end = self.rounds * self.deadline_s if self.deadline_s is not None else None
         while msgs := (yield Recv(kinds=("model", "control"), deadline=last_end)):
             (msg,) = msgs
             if msg.kind == "control":
                 if self.is_stop(msg):
                     break
                 continue
-            held, upload = yield from local_round(
+            held, w = yield from local_round(
                 self.relaxed, self.local_train, msg.tensors, held, ctx.trainable, msg.round
             )
-            yield Send(msg.src, "model", msg.round, upload, {"num_samples": ctx.num_samples})
+            yield from self.upload(msg.src, msg.round, w, ctx.num_samples)
         yield Finish(held)
 
-    def server(self, ctx: NodeContext) -> Behaviour:
-        state = ctx.init_state()
-        for r in range(1, self.rounds + 1):
-            chosen = self.sample(ctx.peers, ctx.seed, r)
-            for p in chosen:
-                yield Send(p, "model", r, state)
-            models = yield Recv(count=len(chosen), round=r)
-            weights = [1] * len(models)
-            if self.sends_counts:
-                sizes = yield Recv(kinds=("control",), count=len(chosen), round=r)
-                count = {m.src: m.meta["num_samples"] for m in sizes}
-                weights = [count[m.src] for m in models]
-            state = self.rule(state, [m.tensors for m in models], weights, 0.0)
-            yield Evaluate(state, r)
-        for p in ctx.peers:
-            yield stop(p, self.rounds)
-        yield Finish(state, output=True)
+    def upload(self, server: int, round: int, w: State, n: int) -> Steps[None]:
+        """Algorithm 1's "return w to server", with n_k: with a deadline n_k rides in the
+        model's metadata, so no ``control`` message can go missing on its own; else it follows
+        the model in a ``control`` message, where the mean needs it."""
+        if self.live:
+            yield Send(server, "model", round, w, {"num_samples": n})
+            return
+        yield Send(server, "model", round, w)
+        if self.sends_counts:
+            yield Send(server, "control", round, {}, {"num_samples": n})
 
     def is_stop(self, msg: Message) -> bool:
         """The server's word to stop (:func:`is_stop`)."""
         return is_stop(msg, self.rounds)
-
-    def client(self, ctx: NodeContext) -> Behaviour:
-        held = ctx.init_state()  # the last local model (FedInit's per-peer state)
-        while True:
-            (msg,) = yield Recv(kinds=("model", "control"))
-            if msg.kind == "control":
-                if self.is_stop(msg):
-                    break
-                continue
-            held, upload = yield from local_round(
-                self.relaxed, self.local_train, msg.tensors, held, ctx.trainable, msg.round
-            )
-            yield Send(msg.src, "model", msg.round, upload)
-            if self.sends_counts:
-                yield Send(msg.src, "control", msg.round, {}, {"num_samples": ctx.num_samples})
-        yield Finish(held)
 
     def transfers(self, plan: Plan) -> Iterator[Transfer]:
         """Round r: K models down (phase 2r−1), K models and, with ``weighting: samples`` and

@@ -40,7 +40,7 @@ import torch
 
 from p2pfl.core.errors import ConfigError, TopologyMisfit
 from p2pfl.core.seeding import numpy_rng
-from p2pfl.methods.base import METHODS, Method, NodeContext
+from p2pfl.methods.base import METHODS, NodeContext, Rounds
 from p2pfl.methods.effects import Behaviour, Evaluate, Finish, Log, Recv, Send, State, Train
 from p2pfl.methods.fedavg import is_stop, stop
 from p2pfl.network.plan import Plan, Transfer
@@ -62,7 +62,7 @@ def server_step(x: State, buffer: list[tuple[State, float]], lr: float) -> State
 
 @METHODS.register("fedbuff")
 @dataclass(kw_only=True, eq=False)
-class FedBuff(Method):
+class FedBuff(Rounds):
     """Buffered asynchronous aggregation: a server step with the mean of every K updates."""
 
     topologies = ("star",)
@@ -71,15 +71,13 @@ class FedBuff(Method):
         "attack would corrupt the wrong quantity (data attacks apply)"
     )
 
-    rounds: int = 20
     buffer_size: int = 10
     server_lr: float = 1.0
     staleness_scaling: bool = False
     concurrency: int | None = None
 
     def __post_init__(self) -> None:
-        if self.rounds < 1:
-            raise ConfigError("rounds", f"must be >= 1, got {self.rounds}")
+        super().__post_init__()
         if self.buffer_size < 1:
             raise ConfigError("buffer_size", f"must be >= 1, got {self.buffer_size}")
         if not self.server_lr > 0:
@@ -93,9 +91,6 @@ class FedBuff(Method):
         n = len(topology.peers)
         if self.concurrency is not None and self.concurrency > n:
             raise TopologyMisfit("concurrency", f"must be <= the {n} peers, got {self.concurrency}")
-
-    def total_rounds(self, num_peers: int) -> int:
-        return self.rounds
 
     def weight(self, staleness: int) -> float:
         """s(τ): 1, or 1/√(1 + τ) with ``staleness_scaling``."""

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from p2pfl.core.errors import ConfigError
 from p2pfl.core.seeding import numpy_rng
 from p2pfl.learning.state import average_states
-from p2pfl.methods.base import METHODS, Method, NodeContext
+from p2pfl.methods.base import METHODS, NodeContext, Rounds
 from p2pfl.methods.effects import (
     Behaviour,
     Evaluate,
@@ -44,23 +44,18 @@ from p2pfl.network.plan import Plan, Transfer
 
 @METHODS.register("gossip")
 @dataclass(kw_only=True, eq=False)
-class Gossip(Method):
+class Gossip(Rounds):
     """Every Δ seconds: merge and train what arrived, push the model to a random neighbour."""
 
     serverless = True
 
-    rounds: int = 20
     period_s: float = 1.0
     train_idle: bool = False
 
     def __post_init__(self) -> None:
-        if self.rounds < 1:
-            raise ConfigError("rounds", "must be >= 1")
+        super().__post_init__()
         if not self.period_s > 0:
             raise ConfigError("period_s", "must be > 0")
-
-    def total_rounds(self, num_peers: int) -> int:
-        return self.rounds
 
     def select_peer(self, online: list[int], seed: int, node: int, period: int) -> int:
         """``selectPeer()``: a neighbour drawn uniformly, seeded by peer and period."""

@@ -43,7 +43,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from p2pfl.core.errors import ConfigError
-from p2pfl.methods.base import METHODS, Method, NodeContext
+from p2pfl.methods.base import METHODS, NodeContext, Rounds
 from p2pfl.methods.effects import (
     Behaviour,
     Evaluate,
@@ -78,7 +78,7 @@ def weight_meta(w: float) -> dict[str, str]:
 
 @METHODS.register("pushsum")
 @dataclass(kw_only=True, eq=False)
-class PushSum(Method):
+class PushSum(Rounds):
     """SGP: local training on x/w, then push-sum mixing along the round's out-edges."""
 
     serverless = True
@@ -88,18 +88,13 @@ class PushSum(Method):
         "(data attacks and free_ride apply)"
     )
 
-    rounds: int = 20
     wait_s: float | None = None
     robust: bool = False
 
     def __post_init__(self) -> None:
-        if self.rounds < 1:
-            raise ConfigError("rounds", "must be >= 1")
+        super().__post_init__()
         if self.wait_s is not None and not self.wait_s > 0:
             raise ConfigError("wait_s", "must be > 0")
-
-    def total_rounds(self, num_peers: int) -> int:
-        return self.rounds
 
     def behaviour(self, ctx: NodeContext) -> Behaviour:
         x, w = ctx.init_state(), 1.0
