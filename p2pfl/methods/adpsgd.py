@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from p2pfl.core.errors import ConfigError
 from p2pfl.core.seeding import numpy_rng
 from p2pfl.learning.state import average_states
-from p2pfl.methods.base import METHODS, Method, NodeContext
+from p2pfl.methods.base import METHODS, NodeContext, Rounds
 from p2pfl.methods.effects import (
     Behaviour,
     Evaluate,
@@ -76,22 +76,17 @@ class Model:
 
 @METHODS.register("adpsgd")
 @dataclass(kw_only=True, eq=False)
-class ADPSGD(Method):
+class ADPSGD(Rounds):
     """Asynchronous pairwise averaging between active and passive peers, with stale updates."""
 
     serverless = True
 
-    rounds: int = 20
     reply_timeout_s: float = 1.0
 
     def __post_init__(self) -> None:
-        if self.rounds < 1:
-            raise ConfigError("rounds", "must be >= 1")
+        super().__post_init__()
         if not self.reply_timeout_s > 0:
             raise ConfigError("reply_timeout_s", "must be > 0")
-
-    def total_rounds(self, num_peers: int) -> int:
-        return self.rounds
 
     def check(self, topology: Topology, seed: int) -> None:
         super().check(topology, seed)
