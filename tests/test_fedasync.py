@@ -217,7 +217,7 @@ STRAGGLER = {
     "model": {"name": "mlp", "hidden": [64]},
     "peers": {"count": 16, "flops_per_s": 3e8, "slow_fraction": 0.0625, "slow_factor": 0.1},
 }
-"""Digits on a star of 16 peers, one of them 10x slower (docs/asynchrony-methods.md)."""
+"""Digits on a star of 16 peers, one of them 10x slower (docs/asynchrony.md section 6)."""
 
 
 def test_with_a_straggler_it_beats_fedavg_at_equal_simulated_time(tmp_path):
