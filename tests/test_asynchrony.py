@@ -94,7 +94,8 @@ def test_adpsgd_passive_peers_answer_each_request_when_it_arrives(tmp_path):
     leaves the passive peer at the very time its request arrived, mid-training or not."""
     run_experiment(tmp_path, topology={"kind": "ring"}, peers=SLOW, algorithm=ADPSGD)
     comm = rows(tmp_path / "comm.csv")
-    requests = [r for r in comm if int(r["src"].split("_")[-1]) % 2 == 0]
+    requests = [r for r in comm if int(r["src"].split("_")[-1]) % 2 == 0 and r["kind"] == "model"]
+    assert sum(r["kind"] == "control" for r in comm) == 4  # each active peer is done, to each
     replies = {(r["src"], r["dst"], r["round"]): float(r["time"]) for r in comm} | {}
     assert len(requests) == 2 * 6  # two active peers, one request per iteration
     for r in requests:

@@ -329,12 +329,15 @@ def _summary_head(setup: Setup) -> dict[str, Any]:
     }
 
 
-def final_state(finals: dict[int, Finish], topology: Topology) -> State:
+def final_state(finals: dict[int, Finish], topology: Topology, start: State | None = None) -> State:
     """The run's output model: the ``output`` Finish (their mean if several agree to be
-    outputs), else the uniform mean of the peers' final models."""
+    outputs), else the uniform mean of the peers' final models; ``start`` if none has one
+    (a run stopped before any node finished an iteration), else an error."""
     outputs = [s for f in finals.values() if f.output and (s := f.state) is not None]
     if not outputs:  # a peer that crashed has no Finish
         outputs = [s for p in topology.peers if p in finals and (s := finals[p].state) is not None]
+    if not outputs and start is not None:
+        return start
     if not outputs:
         raise RunError("no node finished with a model")
     return outputs[0] if len(outputs) == 1 else average_states(outputs)
@@ -350,7 +353,8 @@ def _results(
     def score(state: State) -> tuple[float, float]:
         return setup.trainer.evaluate(state, setup.data.test_x, setup.data.test_y, device)
 
-    output = final_state(finals, setup.topology)
+    start = setup.trainer.init_state(derive_seed(setup.seed, "init")) if setup.stop else None
+    output = final_state(finals, setup.topology, start)
     acc, loss = score(output)
     last_round = setup.method.total_rounds(setup.topology.num_peers)
     metrics.log(now, last_round, "final", "accuracy", acc)

@@ -18,9 +18,10 @@ trains meanwhile, then takes the partner's reply and averages with it. A passive
 waits for a request: it trains iteration after iteration, and answers each request at its
 arrival, even mid-training, with its model as it is then and averages with it (its training
 goes on from the copy it started from, applied afterwards to the averaged model); after its
-own iterations it goes on answering until the run is over. A reply that does not come within
-``reply_timeout_s`` of the request (lost, or the partner offline) is not waited for: the
-active peer applies its update alone. The result is the mean of the peers' final models.
+own iterations it goes on answering until each active neighbour says it is done. A reply
+that does not come within ``reply_timeout_s`` of the request (lost, or the partner offline)
+is not waited for: the active peer applies its update alone. The result is the mean of the
+peers' final models.
 
 Earlier, in p2pfl 0.1.0, a passive peer waited up to ``reply_timeout_s`` for a request
 before each iteration and answered only between its own iterations, so a slow passive peer
@@ -58,6 +59,11 @@ from p2pfl.network.topology import Topology
 def is_active(node: int) -> bool:
     """The bipartite split of §4: even peers start the averagings, odd peers answer."""
     return node % 2 == 0
+
+
+def passive_of(topology: Topology, node: int) -> list[int]:
+    """The passive neighbours an active ``node`` may average with (none for a passive one)."""
+    return [j for j in topology.neighbours(node) if not is_active(j)] if is_active(node) else []
 
 
 def applied(x: State, stale: State, trained: State) -> State:
@@ -119,6 +125,8 @@ class ADPSGD(Rounds):
                     x = average_states([x, reply[0].tensors])
             x = applied(x, stale, trained)
             yield Evaluate(x, k)
+        for j in passive_of(ctx.topology, ctx.node):  # no more requests from this peer
+            yield Send(j, "control", self.rounds, {}, {"done": True})
         yield Finish(x)
 
     def passive(self, ctx: NodeContext) -> Behaviour:
@@ -135,21 +143,31 @@ class ADPSGD(Rounds):
             trained = (yield Train(stale, k)).state  # requests are answered meanwhile
             node.x = applied(node.x, stale, trained)
             yield Evaluate(node.x, k)
-        yield Recv(deadline=math.inf)  # go on answering until the run is over
+        # go on answering until every active neighbour is done (or, if one never says so,
+        # until the run is over)
+        actives = [i for i in ctx.topology.peers if ctx.node in passive_of(ctx.topology, i)]
+        yield Recv(kinds=("control",), count=len(actives), deadline=math.inf)
         yield Finish(node.x)
 
     def transfers(self, plan: Plan) -> Iterator[Transfer]:
         """With every peer online: each iteration every active peer sends one request to the
         passive neighbour its stream draws and gets one reply, 2·M per active peer and
-        iteration (a passive peer answers every request, after its own iterations too)."""
+        iteration (a passive peer answers every request, after its own iterations too); at
+        the end each active peer tells each passive neighbour it is done (a small control
+        message), so passive peers need not wait for the run's end."""
         topology = plan.topology
         for k in range(1, self.rounds + 1):
             for i in topology.peers:
-                partners = [j for j in topology.neighbours(i) if not is_active(j)]
+                partners = passive_of(topology, i)
                 if is_active(i) and partners:
                     j = self.partner(partners, plan.seed, i, k)
                     yield plan.send(i, j, "model", k, 2 * k - 1, plan.state, {"request": True})
                     yield plan.send(j, i, "model", k, 2 * k, plan.state, {"reply": True})
+        for i in topology.peers:
+            for j in passive_of(topology, i):
+                yield plan.send(
+                    i, j, "control", self.rounds, 2 * self.rounds + 1, {}, {"done": True}
+                )
 
     def partner(self, passive: list[int], seed: int, node: int, k: int) -> int:
         """The passive neighbour an active peer averages with in iteration ``k`` (seeded)."""
