@@ -30,7 +30,6 @@ def rows(path: Path) -> list[dict[str, str]]:
         return list(csv.DictReader(f))
 
 
-@METHODS.register("test-echo")
 @dataclass(kw_only=True, eq=False)
 class Echo(Method):
     """Peer 1 serves pings while it computes for a long while; peer 0 pings it and waits for
@@ -63,12 +62,19 @@ class Echo(Method):
         yield Finish(x)
 
 
+@pytest.fixture
+def echo(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``test-echo`` registered for this test only (other tests list every method)."""
+    monkeypatch.setattr(Echo, "name", "test-echo", raising=False)
+    monkeypatch.setitem(METHODS._items, "test-echo", Echo)
+
+
 def metric(out: Path, name: str) -> float:
     (value,) = [float(r["value"]) for r in rows(out / "metrics.csv") if r["metric"] == name]
     return value
 
 
-def test_a_serving_peer_answers_at_the_arrival_even_while_it_computes(tmp_path):
+def test_a_serving_peer_answers_at_the_arrival_even_while_it_computes(tmp_path, echo):
     ring = {"kind": "ring"}
     run_experiment(tmp_path, topology=ring, peers=SLOW, algorithm={"name": "test-echo"})
     comm = rows(tmp_path / "comm.csv")
@@ -80,7 +86,7 @@ def test_a_serving_peer_answers_at_the_arrival_even_while_it_computes(tmp_path):
     assert metric(tmp_path, "reply_at") < metric(tmp_path, "computed_at")  # not after it
 
 
-def test_a_handler_may_not_train(tmp_path):
+def test_a_handler_may_not_train(tmp_path, echo):
     algorithm = {"name": "test-echo", "bad": True}
     with pytest.raises(RunError, match="handler yielded Train; a handler may only Send"):
         run_experiment(tmp_path, topology={"kind": "ring"}, peers=SLOW, algorithm=algorithm)
