@@ -32,21 +32,23 @@ Usage (from the repository root, with the project's venv)::
   ``--jobs N`` runs N commands at a time (default 1); ``--work DIR`` keeps the runs' outputs
   (default ``runs/regression``: ``current/``, ``base/``, their fingerprints ``current.json``
   and ``base.json``, written as each run ends, and the table ``report.txt``).
-- ``--quick`` shortens every run (``quick_sets``): at most 2 rounds (methods with
-  ``rounds``), 1 cycle (``cycles``: FedSeq, FedELMY), 1 local epoch and 1 warm-up epoch,
-  FedFisher's server optimisation 100 steps, matching 2 epochs, Fashion-MNIST cut to 3,000
-  training and 500 test samples (a fixed ``partition.samples_per_peer`` shrunk to fit them);
-  a sweep keeps its first seed and of every other key its
-  last value (the shipped sweeps end on their hardest setting: the most attackers, churn or
-  loss), or all its values on digits. Without it, every experiment runs as shipped (full
-  grids included).
+- ``--quick`` shortens every run (``quick_sets``): at most 2 rounds (methods with ``rounds``),
+  1 cycle (``cycles``: FedSeq, FedELMY), 1 local epoch and 1 warm-up epoch, FedFisher's
+  server optimisation 100 steps, matching 2 epochs, Fashion-MNIST cut to 3,000 training and
+  500 test samples (a fixed ``partition.samples_per_peer`` shrunk to fit them); a sweep
+  keeps its first seed and, of every other key, its last value (the shipped sweeps end on
+  their hardest setting: the most attackers, churn or loss), or all its values on digits.
+  Without it, every experiment runs as shipped, full grids included.
 
 Every run gets ``OMP_NUM_THREADS=1``: outputs are bit-identical only for the same threads per
 process and the same CPU kernels, so a recorded file is compared on the machine it was made.
 
-Measured on the 2-core development machine, shared with other jobs (load 3-6),
-2026-11-26: ``--quick`` (45 runs) took MEASURE_QUICK; ``--base HEAD --quick`` twice that; the
-full mode MEASURE_FULL.
+Measured on the 2-core development machine (2026-11-26, 45-48 runs), shared with other jobs:
+``--quick`` took 3 min 14 s at load 1-2 (2 min 53 s of CPU), 1 min 42 s with ``--jobs 2``,
+and 7 min 35 s at load 6-10; ``--base HEAD --quick --jobs 2`` (twice the runs) 11 min 23 s
+at load 9. The full mode took 1 h 48 min with ``--jobs 1`` while the load fell from 9 to 2
+(72 min of CPU; the sweeps weigh most: the six adversary sweeps 32 min, fedinit-cnn 9 min,
+the three fedfisher-fmnist runs 16 min).
 """
 
 from __future__ import annotations
