@@ -7,6 +7,7 @@ import copy
 import os
 import signal
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ os.environ["OMP_NUM_THREADS"] = "1"
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+import yaml  # noqa: E402
 
 from p2pfl.app.config import resolve  # noqa: E402
 from p2pfl.app.experiment import build, run  # noqa: E402
@@ -75,6 +77,18 @@ def experiment(**sections: dict[str, Any] | int | str) -> dict[str, Any]:
 def run_experiment(out: Path, **sections: dict[str, Any] | int | str) -> dict[str, Any]:
     """Build and run a digits experiment into ``out``; returns summary.json's content."""
     return run(build(experiment(**sections)), out)
+
+
+def run_cli(
+    file: Path, config: dict[str, Any], out: Path, *args: str
+) -> subprocess.CompletedProcess[str]:
+    """Write ``config`` to ``file`` and run ``p2pfl run FILE --out OUT ARGS`` as a user
+    would, from the repository root (stdout and stderr captured)."""
+    file.write_text(yaml.safe_dump(config))
+    return subprocess.run(
+        [sys.executable, "-m", "p2pfl", "run", str(file), "--out", str(out), *args],
+        capture_output=True, text=True, cwd=ROOT, timeout=300,
+    )  # fmt: skip
 
 
 def sim_runtimes(monkeypatch: pytest.MonkeyPatch) -> list[SimRuntime]:

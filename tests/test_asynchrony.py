@@ -7,7 +7,6 @@ import csv
 import json
 import math
 import subprocess
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,7 +15,7 @@ from typing import Any
 import pytest
 import yaml
 
-from conftest import ROOT, run_experiment
+from conftest import run_cli, run_experiment
 from p2pfl.core.errors import RunError
 from p2pfl.methods.base import METHODS, Method, NodeContext
 from p2pfl.methods.effects import Behaviour, Compute, Finish, Log, Now, Recv, Send, Serve, Train
@@ -172,12 +171,7 @@ def test_stopped_runs_replay_bit_for_bit(tmp_path):
 
 
 def cli(tmp_path: Path, config: dict[str, Any], *args: str) -> subprocess.CompletedProcess[str]:
-    file = tmp_path / "x.yaml"
-    file.write_text(yaml.safe_dump(config))
-    return subprocess.run(
-        [sys.executable, "-m", "p2pfl", "run", str(file), "--out", str(tmp_path / "out"), *args],
-        capture_output=True, text=True, cwd=ROOT, timeout=300,
-    )  # fmt: skip
+    return run_cli(tmp_path / "x.yaml", config, tmp_path / "out", *args)
 
 
 BASE = {

@@ -16,14 +16,12 @@ from __future__ import annotations
 
 import csv
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
+from test_claims_studies import p2pfl_run
 
 from conftest import ROOT, needs_fmnist
 
@@ -43,15 +41,7 @@ def sweep(tmp_path: Path, experiment: str, cells: dict[str, list], *sets: str) -
     writes them (cells skipped as misfits are left out)."""
     out = tmp_path / experiment
     flow = yaml.safe_dump(cells, default_flow_style=True, width=10_000).strip()
-    args = [sys.executable, "-m", "p2pfl", "run", f"experiments/{experiment}.yaml"]
-    args += ["--out", str(out), "--quiet", "--set", f"sweep={flow}"]
-    for s in sets:
-        args += ["--set", s]
-    proc = subprocess.run(
-        args, cwd=ROOT, env=os.environ | {"OMP_NUM_THREADS": "1"}, capture_output=True,
-        text=True, timeout=1800,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    p2pfl_run(experiment, out, f"sweep={flow}", *sets)
     with open(out / "cells.csv", newline="") as f:
         rows = [r for r in csv.DictReader(f) if r["status"] != "skipped"]
     assert {r["status"] for r in rows} == {"ok"}, rows

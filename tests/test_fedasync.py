@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import csv
 import json
-import subprocess
-import sys
 from collections.abc import Generator
 from pathlib import Path
 from typing import Any
@@ -16,7 +14,7 @@ import pytest
 import torch
 import yaml
 
-from conftest import BASE, ROOT, experiment, finals, on_device, run_experiment
+from conftest import BASE, experiment, finals, on_device, run_cli, run_experiment
 from p2pfl.app import cost
 from p2pfl.app.cli import main
 from p2pfl.app.experiment import build
@@ -242,14 +240,8 @@ def test_over_sockets_it_ends_with_every_worker_told(tmp_path):
         "peers": {"count": n, "slow_fraction": 1 / 3},
         "algorithm": {"name": "fedasync", "rounds": rounds, "staleness": "hinge"},
     }
-    path = tmp_path / "exp.yaml"
-    path.write_text(yaml.safe_dump(config))
     out = tmp_path / "zmq"
-    proc = subprocess.run(
-        [sys.executable, "-m", "p2pfl", "run", str(path), "--out", str(out), "--quiet",
-         "--transport", "zmq"],
-        capture_output=True, text=True, cwd=ROOT, timeout=300,
-    )  # fmt: skip
+    proc = run_cli(tmp_path / "exp.yaml", config, out, "--quiet", "--transport", "zmq")
     assert proc.returncode == 0, proc.stderr
     assert "Traceback" not in proc.stderr
     summary = json.loads((out / "summary.json").read_text())

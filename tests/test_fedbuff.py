@@ -7,15 +7,13 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 
 import pytest
 import torch
 import yaml
 from test_fedasync import STAR, STRAGGLER, ledger, record_server, staleness_rows
 
-from conftest import BASE, ROOT, experiment, finals, on_device, run_experiment
+from conftest import BASE, experiment, finals, on_device, run_cli, run_experiment
 from p2pfl.app import cost
 from p2pfl.app.cli import main
 from p2pfl.app.experiment import build
@@ -206,14 +204,8 @@ def test_over_sockets_it_ends_with_every_client_told(tmp_path):
         "peers": {"count": n, "slow_fraction": 1 / 3},
         "algorithm": {"name": "fedbuff", "rounds": rounds, "buffer_size": k},
     }
-    path = tmp_path / "exp.yaml"
-    path.write_text(yaml.safe_dump(config))
     out = tmp_path / "zmq"
-    proc = subprocess.run(
-        [sys.executable, "-m", "p2pfl", "run", str(path), "--out", str(out), "--quiet",
-         "--transport", "zmq"],
-        capture_output=True, text=True, cwd=ROOT, timeout=300,
-    )  # fmt: skip
+    proc = run_cli(tmp_path / "exp.yaml", config, out, "--quiet", "--transport", "zmq")
     assert proc.returncode == 0, proc.stderr
     assert "Traceback" not in proc.stderr
     summary = json.loads((out / "summary.json").read_text())
