@@ -353,7 +353,7 @@ def _results(
     def score(state: State) -> tuple[float, float]:
         return setup.trainer.evaluate(state, setup.data.test_x, setup.data.test_y, device)
 
-    start = setup.trainer.init_state(derive_seed(setup.seed, "init")) if setup.stop else None
+    start = setup.init_state() if setup.stop else None
     output = final_state(finals, setup.topology, start)
     acc, loss = score(output)
     last_round = setup.method.total_rounds(setup.topology.num_peers)

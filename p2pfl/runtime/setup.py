@@ -16,7 +16,7 @@ from p2pfl.data.federated import FederatedData
 from p2pfl.learning.training import TrainConfig, Trainer, resolve_device
 from p2pfl.methods.attacks import Adversary, attacked
 from p2pfl.methods.base import Method, NodeContext
-from p2pfl.methods.effects import Behaviour
+from p2pfl.methods.effects import Behaviour, State
 from p2pfl.network.codecs import Compression, from_section
 from p2pfl.network.dynamics import Network
 from p2pfl.network.peers import Population
@@ -157,8 +157,11 @@ class Setup:
             return attacked(behaviour, self.adversary, ctx)
         return behaviour
 
+    def init_state(self) -> State:
+        """The model every node starts from (seeded by the run's seed)."""
+        return self.trainer.init_state(derive_seed(self.seed, "init"))
+
     def contexts(self) -> dict[int, NodeContext]:
-        init_seed = derive_seed(self.seed, "init")
         params = self.trainer.module(torch.device("cpu")).named_parameters()
         trainable = frozenset(name for name, _ in params)
         return {
@@ -169,7 +172,7 @@ class Setup:
                 if node < self.topology.num_peers
                 else 0,
                 seed=self.seed,
-                init_state=lambda: self.trainer.init_state(init_seed),
+                init_state=self.init_state,
                 trainable=trainable,
                 compression=self.compression,
             )
