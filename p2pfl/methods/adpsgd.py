@@ -125,8 +125,11 @@ class ADPSGD(Rounds):
                     x = average_states([x, reply[0].tensors])
             x = applied(x, stale, trained)
             yield Evaluate(x, k)
-        for j in passive_of(ctx.topology, ctx.node):  # no more requests from this peer
-            yield Send(j, "control", self.rounds, {}, {"done": True})
+        # no more requests from this peer: tell the passive neighbours it can reach (on a
+        # redrawn graph, those of its last iteration's graph)
+        for j in (yield Neighbours(round=self.rounds)):
+            if not is_active(j):
+                yield Send(j, "control", self.rounds, {}, {"done": True})
         yield Finish(x)
 
     def passive(self, ctx: NodeContext) -> Behaviour:
