@@ -43,19 +43,19 @@ Arrays = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
 
 @dataclass
 class Dataset:
-    """A normalised image classification dataset held in memory."""
+    """A classification dataset held in memory: images, signals or token sequences."""
 
     name: str
-    train_x: torch.Tensor  # float32 [n, C, H, W], normalised
+    train_x: torch.Tensor  # one sample per row: float32 [n, C, H, W] images (normalised), ...
     train_y: torch.Tensor  # int64 [n]
     test_x: torch.Tensor
     test_y: torch.Tensor
     num_classes: int
 
     @property
-    def input_shape(self) -> tuple[int, int, int]:
-        c, h, w = self.train_x.shape[1:]
-        return (c, h, w)
+    def input_shape(self) -> tuple[int, ...]:
+        """The shape of one sample: ``(C, H, W)`` for images."""
+        return tuple(self.train_x.shape[1:])
 
 
 def load_dataset(options: dict[str, Any], seed: int) -> Dataset:

@@ -41,7 +41,7 @@ class FederatedData:
     test_x: torch.Tensor
     test_y: torch.Tensor
     num_classes: int
-    input_shape: tuple[int, int, int]
+    input_shape: tuple[int, ...]
     counts: np.ndarray  # [num_peers, num_classes]: train + val samples per peer and class
 
 

@@ -29,8 +29,8 @@ from p2pfl.core.errors import ConfigError
 from p2pfl.core.options import Registry, bind, bind_with_common
 from p2pfl.learning.pans import Pans, encode
 
-InputShape = tuple[int, int, int]
-"""(channels, height, width) of one sample."""
+InputShape = tuple[int, ...]
+"""The shape of one sample: (channels, height, width) for images; other workloads have others."""
 MAX_PARAMETERS = 1 << 30  # 4 GiB of float32 per copy; ResNet-18 has 11 million
 
 MODELS: Registry[Callable[..., nn.Module]] = Registry("model")
