@@ -1,5 +1,6 @@
 """The ``p2pfl`` command line: ``run`` an experiment (or a sweep), run one ``peer`` of a real
-run, ``keys``, ``cost`` (analytic communication cost) and ``plot`` (pictures of runs).
+run, ``keys``, ``cost`` (analytic communication cost), ``plot`` (pictures of runs) and
+``report`` (one HTML page of runs).
 
 Exit codes: 0 success; 2 bad config or arguments (one line ``error: FILE: key: reason``);
 1 a run that started and failed (its outputs so far stay on disk); 130 interrupted (SIGINT
@@ -22,6 +23,7 @@ import gc
 import math
 import os
 import re
+import shlex
 import signal
 import sys
 import time
@@ -122,6 +124,12 @@ def parser() -> argparse.ArgumentParser:
         help="only the time-to-accuracy figure: each run's accuracy against simulated time "
         "or bytes sent, with its eval.targets (repeatable)",
     )  # fmt: skip
+    report = sub.add_parser("report", help="one self-contained HTML page of runs and sweeps")
+    report.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run or sweep directories")
+    report.add_argument(
+        "--out", metavar="FILE.html",
+        help="the page (default RUN_DIR/report.html for one directory; required for several)",
+    )  # fmt: skip
     return p
 
 
@@ -171,14 +179,16 @@ def output_dir(path: str) -> Path:
 LOCK = ".p2pfl.lock"
 RUN_FILES = frozenset(
     {"config.yaml", "summary.json", "summary.json.tmp", "metrics.csv", "comm.csv",
-     "availability.csv", "partition.csv", "partition.png", "tensorboard", "peers", "plots"}
+     "availability.csv", "partition.csv", "partition.png", "tensorboard", "peers", "plots",
+     "report.html"}
 )  # fmt: skip
 """What a run writes in its directory (``peers/``: a real run's nodes; ``plots/``: ``p2pfl
-plot``): ``--force`` empties a directory only if it holds nothing else."""
+plot``; ``report.html``: ``p2pfl report``): ``--force`` empties a directory only if it holds
+nothing else."""
 ARTIFACTS = re.compile(r"[\w.-]+\.(csv|png|svg)")
 """The tables and pictures a method's ``Artifact`` writes in its run's directory."""
 SWEEP_FILES = re.compile(
-    r"cells\.csv|sweep\.csv|plots|"
+    r"cells\.csv|sweep\.csv|plots|report\.html|"
     r"(accuracy|accuracy-time|accuracy-bytes|traffic|availability|sweep|partition-\d+)\.(png|svg)"
 )
 """What a sweep writes in its directory besides its cells' directories (``KEY=LABEL,...``)."""
@@ -767,6 +777,19 @@ def cmd_plot(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_report(args: argparse.Namespace) -> int:
+    from p2pfl.reporting.report import default_path, write_report
+
+    paths = [Path(r) for r in args.runs]
+    out = default_path(paths, Path(args.out) if args.out else None)
+    output_dir(str(out.parent))
+    command = shlex.join(
+        ["p2pfl", "report", *args.runs, *(["--out", args.out] if args.out else [])]
+    )
+    print(f"wrote {write_report(paths, out, command)}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         args = parser().parse_args(argv)
@@ -778,7 +801,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         commands = {
             "run": cmd_run, "peer": cmd_peer, "keys": cmd_keys, "cost": cmd_cost, "plot": cmd_plot,
-            "merge": cmd_merge,
+            "merge": cmd_merge, "report": cmd_report,
         }  # fmt: skip
         with interrupts_kept():
             return commands[args.command](args)
