@@ -141,7 +141,11 @@ class Median(Aggregator):
 class TrimmedMean(Aggregator):
     """Coordinate-wise trimmed mean (Yin et al., ICML 2018, Def. 2): drop the ``b`` largest
     and ``b`` smallest values of each coordinate, average the rest; where fewer than
-    2b + 1 values arrived, b shrinks until one is left (as He et al.'s code does)."""
+    2b + 1 values arrived, b shrinks until one is left (as He et al.'s code does).
+
+    Args:
+        b: how many of the largest and of the smallest values of each coordinate are dropped.
+    """
 
     b: int = 1
 
@@ -188,7 +192,13 @@ class Krum(Aggregator):
     """Krum and Multi-Krum (Blanchard et al., NeurIPS 2017, §4): score each model by the
     summed squared distances to its n − f − 2 nearest others; the mean of the ``m`` best
     (m = 1: Krum, the single best). ``f`` is the number of attackers the rule tolerates;
-    null takes the most Krum can, ⌊(n − 3)/2⌋ for n models. Ties go to the lower index."""
+    null takes the most Krum can, ⌊(n − 3)/2⌋ for n models. Ties go to the lower index.
+
+    Args:
+        f: the number of attackers the rule tolerates (null: the most Krum can, ⌊(n − 3)/2⌋ of n
+            models).
+        m: how many of the best-scored models are averaged (1: Krum; more: Multi-Krum).
+    """
 
     f: int | None = None
     m: int = 1
@@ -268,21 +278,36 @@ def _distances(center: State, others: Sequence[State]) -> list[float]:
     return [float((_flat(s) - c).norm()) for s in others]
 
 
-@AGGREGATORS.register("centered_clipping")
 @dataclass(kw_only=True, frozen=True)
-class CenteredClipping(Aggregator):
-    """Centered clipping (Karimireddy, He, Jaggi, ICML 2021, Alg. 2): start at the server's
-    model v and repeat ``iterations`` times v ← v + 1/n Σ clip(x_j − v, τ). ``tau`` null
-    (our default, since the paper's τ is set for gradients, not model updates): the median
-    distance of the arrived models from v, so no minority can drag v further than a typical
-    honest update."""
+class Clipping(Aggregator):
+    """A rule that clips each model's pull to a radius ``tau`` (null: the rule's adaptive
+    choice)."""
 
     tau: float | None = None
-    iterations: int = 1
 
     def __post_init__(self) -> None:
         if self.tau is not None and not self.tau > 0:
             raise ConfigError("tau", "must be > 0")
+
+
+@AGGREGATORS.register("centered_clipping")
+@dataclass(kw_only=True, frozen=True)
+class CenteredClipping(Clipping):
+    """Centered clipping (Karimireddy, He, Jaggi, ICML 2021, Alg. 2): start at the server's
+    model v and repeat ``iterations`` times v ← v + 1/n Σ clip(x_j − v, τ). ``tau`` null
+    (our default, since the paper's τ is set for gradients, not model updates): the median
+    distance of the arrived models from v, so no minority can drag v further than a typical
+    honest update.
+
+    Args:
+        tau: the clipping radius τ (null: the median distance of the arrived models from v).
+        iterations: how many clipping steps from the server's model.
+    """
+
+    iterations: int = 1
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
         if self.iterations < 1:
             raise ConfigError("iterations", "must be >= 1")
 
@@ -303,17 +328,16 @@ class CenteredClipping(Aggregator):
 
 @AGGREGATORS.register("clipped_gossip")
 @dataclass(kw_only=True, frozen=True)
-class ClippedGossip(Aggregator):
+class ClippedGossip(Clipping):
     """ClippedGossip (He, Karimireddy, Jaggi 2022, Alg. 1, "self-centered clipping"):
     x_i ← x_i + Σ_j w_ij clip(x_j − x_i, τ_i) with the gossip weights w_ij. ``tau`` null:
     the authors' adaptive rule (their code): τ_i is the second-largest neighbour distance,
-    so the farthest neighbour is clipped to it (the only one with one neighbour)."""
+    so the farthest neighbour is clipped to it (the only one with one neighbour).
 
-    tau: float | None = None
-
-    def __post_init__(self) -> None:
-        if self.tau is not None and not self.tau > 0:
-            raise ConfigError("tau", "must be > 0")
+    Args:
+        tau: the clipping radius τ (null: the authors' adaptive rule, the second-largest neighbour
+            distance).
+    """
 
     def __call__(
         self, center: State, others: Sequence[State], weights: Sequence[float], center_weight: float

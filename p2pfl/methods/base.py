@@ -15,7 +15,7 @@ data, or a network it cannot use.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 from torch import nn
@@ -23,7 +23,9 @@ from torch import nn
 from p2pfl.core.errors import ConfigError
 from p2pfl.core.options import Registry
 from p2pfl.data.federated import FederatedData
+from p2pfl.learning.robust import Aggregator, parse_aggregator
 from p2pfl.methods.effects import Behaviour, State
+from p2pfl.methods.relaxed import RelaxedInit, parse_relaxed_init
 from p2pfl.network.codecs import Compression
 from p2pfl.network.dynamics import Network
 from p2pfl.network.plan import Plan, Transfer
@@ -117,7 +119,12 @@ class Method:
 class Rounds(Method):
     """A method that runs a number of rounds: the ``rounds`` key (>= 1), which is also what
     the run logs. A subclass lists its own keys after it and calls
-    ``super().__post_init__()`` first."""
+    ``super().__post_init__()`` first.
+
+    Args:
+        rounds: how many rounds the method runs (>= 1); with a ``stop:`` section and no ``rounds``
+            given, unbounded.
+    """
 
     rounds: int = 20
 
@@ -127,6 +134,32 @@ class Rounds(Method):
 
     def total_rounds(self, num_peers: int) -> int:
         return self.rounds
+
+
+@dataclass(kw_only=True, eq=False)
+class Aggregating(Rounds):
+    """A rounds method whose merge is a rule of ``AGGREGATORS`` (``aggregator``: the mean,
+    or a robust rule against attackers) and that may start each round from FedInit's relaxed
+    point (``relaxed_init``, :mod:`p2pfl.methods.relaxed`): the two keys FedAvg and DFedAvgM
+    share, checked once here into ``rule`` and ``relaxed``.
+
+    Args:
+        aggregator: the merge: ``mean`` (the method's own weighted mean) or a robust rule of
+            ``algorithm.aggregator`` (``median``, ``trimmed_mean``, ``krum``, ``centered_clipping``,
+            ``clipped_gossip``), a name or a mapping with ``name`` and its keys.
+        relaxed_init: FedInit: ``{beta, aggregate}`` (see ``algorithm.relaxed_init``); null: start
+            each round from the received model.
+    """
+
+    aggregator: str | dict = "mean"
+    relaxed_init: dict | None = None
+    relaxed: RelaxedInit | None = field(init=False, repr=False)
+    rule: Aggregator = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.relaxed = parse_relaxed_init(self.relaxed_init)
+        self.rule = parse_aggregator(self.aggregator)
 
 
 METHODS: Registry[type[Method]] = Registry("method")

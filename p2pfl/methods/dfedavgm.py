@@ -28,14 +28,13 @@ from its mixed model x̄ + β·(x̄ − its last local model). It sends nothing 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
 from p2pfl.core.errors import ConfigError, RunError
-from p2pfl.learning.robust import Aggregator, parse_aggregator
-from p2pfl.methods.base import METHODS, NodeContext, Rounds
+from p2pfl.methods.base import METHODS, Aggregating, NodeContext
 from p2pfl.methods.effects import Behaviour, Evaluate, Finish, State, Train
-from p2pfl.methods.relaxed import RelaxedInit, local_round, parse_relaxed_init
+from p2pfl.methods.relaxed import local_round
 from p2pfl.methods.steps import broadcast, deadline_in, gather, reachable
 from p2pfl.network.dynamics import Network
 from p2pfl.network.message import Message
@@ -53,24 +52,25 @@ def metropolis_weights(topology: Topology, node: int) -> dict[int, float]:
 
 @METHODS.register("dfedavgm")
 @dataclass(kw_only=True, eq=False)
-class DFedAvgM(Rounds):
-    """Local momentum SGD, then one gossip-averaging step with the neighbours, per round."""
+class DFedAvgM(Aggregating):
+    """Local momentum SGD, then one gossip-averaging step with the neighbours, per round.
+
+    Args:
+        wait_s: with a misbehaving network: send to the reachable neighbours, wait at most this long
+            for the in-neighbours and mix with those that answered (null: wait for all).
+        mixing: the mixing weights: ``metropolis`` (Metropolis-Hastings: 1/N on a mesh, 1/3 on a
+            ring) or ``uniform`` (1/(1 + answers), for graphs redrawn by ``network.graph``).
+    """
 
     serverless = True
 
     wait_s: float | None = None
     mixing: Literal["metropolis", "uniform"] = "metropolis"
-    aggregator: str | dict = "mean"
-    relaxed_init: dict | None = None
-    relaxed: RelaxedInit | None = field(init=False, repr=False)
-    rule: Aggregator = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.wait_s is not None and not self.wait_s > 0:
             raise ConfigError("wait_s", "must be > 0")
-        self.relaxed = parse_relaxed_init(self.relaxed_init)
-        self.rule = parse_aggregator(self.aggregator)
 
     @property
     def live(self) -> bool:

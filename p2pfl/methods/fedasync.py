@@ -35,7 +35,7 @@ from p2pfl.learning.state import average_states
 from p2pfl.learning.training import Proximal
 from p2pfl.methods.base import METHODS, NodeContext, Rounds
 from p2pfl.methods.effects import Behaviour, Evaluate, Finish, Log, Recv, Send, Train
-from p2pfl.methods.fedavg import is_stop, stop
+from p2pfl.methods.fedavg import orders, stop
 from p2pfl.network.plan import Plan, Transfer
 
 DEFAULT_A = {"polynomial": 0.5, "hinge": 10.0}
@@ -102,7 +102,14 @@ def parse_staleness(option: str | dict[str, Any]) -> Staleness:
 @dataclass(kw_only=True, eq=False)
 class FedAsync(Rounds):
     """Asynchronous federated optimization: every arriving model is mixed in at once, with a
-    weight that decays with its staleness."""
+    weight that decays with its staleness.
+
+    Args:
+        alpha: α in (0, 1], the mixing weight of an arriving model.
+        staleness: s, the weight's decay with the update's staleness t − τ: ``constant``,
+            ``polynomial`` ((t − τ + 1)^−a) or ``hinge``, a name or ``{name, a, b}``.
+        rho: ρ, the client's proximal term (ρ/2)·‖x − x_t‖² on its local loss (0: plain local SGD).
+    """
 
     topologies = ("star",)
 
@@ -144,12 +151,7 @@ class FedAsync(Rounds):
 
     def worker(self, ctx: NodeContext) -> Behaviour:
         held = ctx.init_state()
-        while True:
-            (msg,) = yield Recv(kinds=("model", "control"))
-            if msg.kind == "control":
-                if is_stop(msg, self.rounds):
-                    break
-                continue
+        while msg := (yield from orders(self.rounds)):
             x_t, tau = msg.tensors, msg.round
             g = Proximal(x_t, self.rho) if self.rho else None  # f(x) + (ρ/2)·‖x − x_t‖²
             held = (yield Train(x_t, tau, regularizer=g)).state

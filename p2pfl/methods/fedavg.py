@@ -35,11 +35,12 @@ from typing import Literal
 
 from p2pfl.core.errors import ConfigError
 from p2pfl.core.seeding import numpy_rng
-from p2pfl.learning.robust import Aggregator, Mean, parse_aggregator
-from p2pfl.methods.base import METHODS, NodeContext, Rounds
+from p2pfl.learning.robust import Mean
+from p2pfl.methods.base import METHODS, Aggregating, NodeContext
 from p2pfl.methods.effects import Behaviour, Evaluate, Finish, Recv, Send, State, Steps, Train
-from p2pfl.methods.relaxed import RelaxedInit, local_round, parse_relaxed_init
-from p2pfl.methods.steps import broadcast, deadline_in, gather, reachable
+from p2pfl.methods.relaxed import local_round
+from p2pfl.methods.steps import deadline_in, gather, reachable
+from p2pfl.methods.stragglers import Stragglers, fewer_epochs, parse_stragglers
 from p2pfl.network.message import Message
 from p2pfl.network.plan import Plan, Transfer
 from p2pfl.network.topology import Topology
@@ -47,27 +48,38 @@ from p2pfl.network.topology import Topology
 
 @METHODS.register("fedavg")
 @dataclass(kw_only=True, eq=False)
-class FedAvg(Rounds):
-    """Server-side averaging of locally trained models, with partial participation."""
+class FedAvg(Aggregating):
+    """Server-side averaging of locally trained models, with partial participation.
+
+    Args:
+        participation: the share of peers sampled each round, in (0, 1]: K = max(1,
+            round(participation·N)).
+        weighting: the server's mean: ``samples`` (weighted by the peers' sample counts, sent in
+            small ``control`` messages) or ``uniform``.
+        deadline_s: with a misbehaving network: each round the server samples among the peers it
+            believes reachable, waits at most this long and averages what arrived (null: wait for
+            every sampled peer).
+        stragglers: systems heterogeneity as in FedProx §5.2: ``{fraction, epochs, drop}``, the
+            share of each round's sampled peers that do only ``epochs`` local epochs, and
+            whether the server drops them (:class:`p2pfl.methods.stragglers.Stragglers`;
+            null: none).
+    """
 
     topologies = ("star",)
 
     participation: float = 1.0
     weighting: Literal["samples", "uniform"] = "samples"
     deadline_s: float | None = None
-    aggregator: str | dict = "mean"
-    relaxed_init: dict | None = None
-    relaxed: RelaxedInit | None = field(init=False, repr=False)
-    rule: Aggregator = field(init=False, repr=False)
+    stragglers: dict | None = None
+    slow: Stragglers | None = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        self.slow = parse_stragglers(self.stragglers)
         if not 0 < self.participation <= 1:
             raise ConfigError("participation", "must be in (0, 1]")
         if self.deadline_s is not None and not self.deadline_s > 0:
             raise ConfigError("deadline_s", "must be > 0")
-        self.relaxed = parse_relaxed_init(self.relaxed_init)
-        self.rule = parse_aggregator(self.aggregator)
 
     @property
     def sends_counts(self) -> bool:
@@ -113,7 +125,9 @@ class FedAvg(Rounds):
             deadline = yield from deadline_in(self.deadline_s)
             online = yield from reachable(ctx, self.live)
             chosen = self.sample(ctx.peers, ctx.seed, t, among=online)  # S_t: m = max(C·K, 1)
-            yield from broadcast(chosen, "model", t, w)  # each k ∈ S_t: ClientUpdate(k, w_t)
+            chosen, slow = self.straggling(chosen, ctx.seed, t)
+            for k in chosen:  # each k ∈ S_t: ClientUpdate(k, w_t)
+                yield Send(k, "model", t, w, {"epochs": slow[k]} if k in slow else {})
             updates = yield from gather(len(chosen), t, deadline)  # the w_{t+1}^k
             if updates:  # w_{t+1} ← Σ_k n_k/m_t · w_{t+1}^k (or the robust rule)
                 n = yield from self.counts(updates, t)
@@ -140,17 +154,28 @@ class FedAvg(Rounds):
         stop (with a deadline: or the last possible end of the run, if the word is lost)."""
         held = ctx.init_state()  # the last local model (FedInit's per-peer state)
         last_end = self.rounds * self.deadline_s if self.deadline_s is not None else None
-        while msgs := (yield Recv(kinds=("model", "control"), deadline=last_end)):
-            (msg,) = msgs
-            if msg.kind == "control":
-                if self.is_stop(msg):
-                    break
-                continue
+        while msg := (yield from orders(self.rounds, last_end)):
+            train = self.local_train
+            if "epochs" in msg.meta:  # a straggler this round (``stragglers``)
+                train = fewer_epochs(self.local_train, msg.meta["epochs"])
             held, w = yield from local_round(
-                self.relaxed, self.local_train, msg.tensors, held, ctx.trainable, msg.round
+                self.relaxed, train, msg.tensors, held, ctx.trainable, msg.round
             )
             yield from self.upload(msg.src, msg.round, w, ctx.num_samples)
         yield Finish(held)
+
+    def straggling(
+        self, chosen: list[int], seed: int, round: int
+    ) -> tuple[list[int], dict[int, int]]:
+        """The round's peers to ask and the stragglers' epochs among them: with
+        ``stragglers.drop`` the stragglers are left out (and none is slow); without
+        ``stragglers``, ``chosen`` and none."""
+        if self.slow is None:
+            return chosen, {}
+        slow = self.slow.pick(chosen, seed, round)
+        if self.slow.drop:
+            return [k for k in chosen if k not in slow], {}
+        return chosen, slow
 
     def upload(self, server: int, round: int, w: State, n: int) -> Steps[None]:
         """Algorithm 1's "return w to server", with n_k: with a deadline n_k rides in the
@@ -163,19 +188,16 @@ class FedAvg(Rounds):
         if self.sends_counts:
             yield Send(server, "control", round, {}, {"num_samples": n})
 
-    def is_stop(self, msg: Message) -> bool:
-        """The server's word to stop (:func:`is_stop`)."""
-        return is_stop(msg, self.rounds)
-
     def transfers(self, plan: Plan) -> Iterator[Transfer]:
         """Round r: K models down (phase 2r−1), K models and, with ``weighting: samples`` and
         the mean, K sample counts up (phase 2r); then N stop messages. R·(2K·M + K·C_n) + N·C_stop.
         With ``deadline_s``, when every peer is reachable: the counts ride in the models."""
         server, peers = plan.topology.hub, plan.topology.peers
         for r in range(1, self.rounds + 1):
-            chosen = self.sample(peers, plan.seed, r)
+            chosen, slow = self.straggling(self.sample(peers, plan.seed, r), plan.seed, r)
             for p in chosen:
-                yield plan.send(server, p, "model", r, 2 * r - 1, plan.state)
+                down = {"epochs": slow[p]} if p in slow else None
+                yield plan.send(server, p, "model", r, 2 * r - 1, plan.state, down)
             for p in chosen:
                 if self.deadline_s is not None:  # the sample count rides with the model
                     meta = {"num_samples": plan.num_train[p]}
@@ -204,6 +226,19 @@ def is_stop(msg: Message, rounds: int) -> bool:
     """Whether ``msg`` is the server's word to stop (:func:`stop`) in a run of ``rounds``: a
     control frame of any other form, which only a forger sends, is passed over."""
     return msg.meta.get("stop") is True and msg.round == rounds
+
+
+def orders(rounds: int, deadline: float | None = None) -> Steps[Message | None]:
+    """A client's next model from the server, or ``None`` once the server says stop
+    (:func:`is_stop`; any other control frame is passed over) or, with a ``deadline``, when
+    nothing has come by then."""
+    while msgs := (yield Recv(kinds=("model", "control"), deadline=deadline)):
+        (msg,) = msgs
+        if msg.kind == "model":
+            return msg
+        if is_stop(msg, rounds):
+            return None
+    return None
 
 
 def round_half(x: float) -> int:

@@ -42,7 +42,7 @@ from p2pfl.core.errors import ConfigError, TopologyMisfit
 from p2pfl.core.seeding import numpy_rng
 from p2pfl.methods.base import METHODS, NodeContext, Rounds
 from p2pfl.methods.effects import Behaviour, Evaluate, Finish, Log, Recv, Send, State, Train
-from p2pfl.methods.fedavg import is_stop, stop
+from p2pfl.methods.fedavg import orders, stop
 from p2pfl.network.plan import Plan, Transfer
 from p2pfl.network.topology import Topology
 
@@ -63,7 +63,16 @@ def server_step(x: State, buffer: list[tuple[State, float]], lr: float) -> State
 @METHODS.register("fedbuff")
 @dataclass(kw_only=True, eq=False)
 class FedBuff(Rounds):
-    """Buffered asynchronous aggregation: a server step with the mean of every K updates."""
+    """Buffered asynchronous aggregation: a server step with the mean of every K updates.
+
+    Args:
+        buffer_size: K, the arriving updates per server step (>= 1).
+        server_lr: η_g, the server's step size on the mean update.
+        staleness_scaling: weigh each update by 1/√(1 + τ), τ the server steps since its client's
+            download.
+        concurrency: C, how many clients train at once (null: all; fewer: each arrival's model goes
+            to an idle client drawn from a seeded stream).
+    """
 
     topologies = ("star",)
     unattackable = (
@@ -147,12 +156,7 @@ class FedBuff(Rounds):
     def client(self, ctx: NodeContext) -> Behaviour:
         held = ctx.init_state()
         k = 0  # its trainings so far: each draws its own batch order
-        while True:
-            (msg,) = yield Recv(kinds=("model", "control"))
-            if msg.kind == "control":
-                if is_stop(msg, self.rounds):
-                    break
-                continue
+        while msg := (yield from orders(self.rounds)):
             x = msg.tensors
             held = (yield Train(x, msg.round, tag=str(k))).state
             yield Send(msg.src, "model", msg.round, {n: y - x[n] for n, y in held.items()})
