@@ -15,6 +15,7 @@ output layer is a bare ``nn.Linear`` and never gets one).
 
 from __future__ import annotations
 
+import math
 import sys
 from collections import OrderedDict
 from collections.abc import Callable
@@ -191,12 +192,49 @@ def mlp(
         if size <= 0:
             raise ConfigError("hidden", f"sizes must be positive, got {list(hidden)}")
     layers: OrderedDict[str, nn.Module] = OrderedDict(flatten=nn.Flatten())
-    width = input_shape[0] * input_shape[1] * input_shape[2]
+    width = math.prod(input_shape)  # images [C, H, W], signals [C, L], feature vectors [D]
     for i, size in enumerate(hidden, 1):
         layers[f"fc{i}"] = Hidden(nn.Linear(width, size, bias=bias))
         width = size
     layers["out"] = nn.Linear(width, num_classes, bias=bias)
     return nn.Sequential(layers)
+
+
+@MODELS.register("logreg")
+def logreg(input_shape: InputShape, num_classes: int, *, bias: bool = True) -> nn.Module:
+    """Multinomial logistic regression: flatten → Linear to the classes (``mlp`` with
+    ``hidden: []``; the same state keys). MNIST-1D's linear baseline (Greydanus 2020) and
+    FedProx's model on Synthetic(α, β) (Li et al. 2020, §5.1).
+
+    Args:
+        bias: the linear layer has a bias.
+    """
+    return mlp(input_shape, num_classes, hidden=(), bias=bias)
+
+
+@MODELS.register("cnn1d")
+def cnn1d(input_shape: InputShape, num_classes: int, *, channels: int = 25) -> nn.Module:
+    """MNIST-1D's reference CNN (Greydanus 2020, ``ConvBase``) for signals ``[C, L]``:
+    conv1d k5 stride 2 pad 1 (C→c), conv1d k3 s2 p1 (c→c) twice, each with ReLU, then
+    flatten → Linear to the classes (125 → 10 for length 40 with 25 channels, 5,210
+    parameters).
+
+    Args:
+        channels: the convolutions' channels (25 in the reference).
+    """
+    _check_positive("channels", channels)
+    if len(input_shape) != 2:
+        raise ConfigError("name", f"cnn1d takes signals [C, L], got input shape {input_shape}")
+    net = nn.Sequential(
+        OrderedDict(
+            conv1=Hidden(nn.Conv1d(input_shape[0], channels, 5, stride=2, padding=1)),
+            conv2=Hidden(nn.Conv1d(channels, channels, 3, stride=2, padding=1)),
+            conv3=Hidden(nn.Conv1d(channels, channels, 3, stride=2, padding=1)),
+            flatten=nn.Flatten(),
+        )
+    )
+    net.add_module("out", nn.Linear(_flat_size(net, input_shape), num_classes))
+    return net
 
 
 @MODELS.register("lenet")
@@ -315,7 +353,7 @@ def resnet18(
 def _width(layer: nn.Module) -> int:
     if isinstance(layer, nn.Linear):
         return layer.out_features
-    assert isinstance(layer, nn.Conv2d)
+    assert isinstance(layer, (nn.Conv1d, nn.Conv2d))
     return layer.out_channels
 
 
@@ -406,9 +444,10 @@ def _check_size(model: nn.Module, part: bool = False) -> None:
 def forward_flops(model: nn.Module, input_shape: InputShape) -> int:
     """FLOPs of one forward pass for one sample, for the simulator's compute-time model.
 
-    Counts Linear (2·in·out per output row) and Conv2d (2·(Cin/groups)·kh·kw per output
-    element) layers with forward hooks on a dummy input; bias adds, activations, norms,
-    pooling and residual additions are ignored (a few percent at most for these models).
+    Counts Linear (2·in·out per output row), Conv2d (2·(Cin/groups)·kh·kw per output
+    element) and Conv1d (2·(Cin/groups)·k per output element) layers with forward hooks on
+    a dummy input; bias adds, activations, norms, pooling and residual additions are
+    ignored (a few percent at most for these models).
     """
     total = 0
 
@@ -416,14 +455,14 @@ def forward_flops(model: nn.Module, input_shape: InputShape) -> int:
         nonlocal total
         if isinstance(module, nn.Linear):
             total += 2 * module.in_features * output.numel()
-        elif isinstance(module, nn.Conv2d):
-            kh, kw = module.kernel_size
-            total += 2 * (module.in_channels // module.groups) * kh * kw * output.numel()
+        elif isinstance(module, (nn.Conv1d, nn.Conv2d)):
+            kernel = math.prod(module.kernel_size)
+            total += 2 * (module.in_channels // module.groups) * kernel * output.numel()
 
     handles = [
         m.register_forward_hook(count)
         for m in model.modules()
-        if isinstance(m, (nn.Linear, nn.Conv2d))
+        if isinstance(m, (nn.Linear, nn.Conv1d, nn.Conv2d))
     ]
     try:
         _probe(model, input_shape)

@@ -29,7 +29,7 @@ client's own behaviour; the server and the messages stay exactly as above.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -155,7 +155,7 @@ class FedAvg(Aggregating):
         held = ctx.init_state()  # the last local model (FedInit's per-peer state)
         last_end = self.rounds * self.deadline_s if self.deadline_s is not None else None
         while msg := (yield from orders(self.rounds, last_end)):
-            train = self.local_train
+            train: Callable[[State, int], Train] = self.local_train
             if "epochs" in msg.meta:  # a straggler this round (``stragglers``)
                 train = fewer_epochs(self.local_train, msg.meta["epochs"])
             held, w = yield from local_round(

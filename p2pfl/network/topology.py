@@ -292,8 +292,9 @@ def build_topology(
     """
     make, own, base, overrides = parse_topology(options, link_defaults)
     kind = options["kind"]
-    if num_peers < 2:
-        raise ConfigError("kind", f"a {kind} needs at least 2 peers, got {num_peers}")
+    least = 1 if kind == "star" else 2  # one peer and its server: centralized training
+    if num_peers < least:
+        raise ConfigError("kind", f"a {kind} needs at least {least} peers, got {num_peers}")
     graph = make(num_peers, seed, **own)
     if graph.is_directed():
         raise ConfigError("kind", f"{kind} is directed: use it in network.graph")
