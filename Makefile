@@ -20,6 +20,9 @@ $(STAMP): pyproject.toml
 data:
 	@test -d $(FMNIST) || { apt-get update -qq && apt-get install -y -qq dataset-fashion-mnist; } \
 	  || echo "warning: could not install dataset-fashion-mnist; its tests will be skipped"
+# Chromium (the Debian package) renders p2pfl report's page in tests/test_report.py, headless.
+	@command -v chromium >/dev/null || { apt-get update -qq && apt-get install -y -qq chromium; } \
+	  || echo "warning: could not install chromium; the report page's browser tests will be skipped"
 
 run: install
 	$(VENV)/bin/p2pfl run experiments/quickstart.yaml --out runs/quickstart --force
