@@ -14,15 +14,16 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+import torch
 import yaml
 
 from p2pfl.core.errors import ConfigError
 from p2pfl.core.options import bind, bind_with_common
 from p2pfl.core.plugins import load_plugins
 from p2pfl.core.yaml_io import find_file, read_yaml, typed_value, yaml_problem
-from p2pfl.data.datasets import DATASETS, take_subsets
+from p2pfl.data.datasets import DATASETS, load_dataset, take_subsets
 from p2pfl.data.federated import SplitOptions
-from p2pfl.data.partition import PARTITIONERS
+from p2pfl.data.partition import PARTITIONERS, takes_groups
 from p2pfl.learning.models import resolve_model
 from p2pfl.learning.robust import resolve_aggregator
 from p2pfl.learning.training import TrainConfig
@@ -139,6 +140,31 @@ def _algorithm(options: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _natural_count(config: dict[str, Any], out: dict[str, Any], file: Path) -> Any:
+    """The ``peers:`` section, with ``count`` filled in when it is left out (inline and in
+    the profile) and the partition splits by the dataset's natural groups (``natural``):
+    one peer per group. The dataset is loaded to count them, so config.yaml records the
+    number."""
+    peers = config.get("peers")
+    try:
+        given = _include(_section(config, "peers"), "profile", file, "peer profile")
+    except ConfigError as e:
+        raise e.within("peers") from None
+    if "count" in given or not takes_groups(PARTITIONERS.get(out["partition"]["name"])):
+        return peers
+    try:
+        dataset = load_dataset(out["dataset"], out["seed"])
+    except ConfigError as e:
+        raise e.within("dataset") from None
+    if dataset.train_groups is None:
+        raise ConfigError(
+            "count",
+            f"left out, but dataset {dataset.name} has no natural groups for partition "
+            f"{out['partition']['name']} to count; give peers.count or use a dataset with groups",
+        ).within("peers")
+    return dict(peers or {}) | {"count": len(torch.unique(dataset.train_groups))}
+
+
 def _section(config: dict[str, Any], key: str) -> dict[str, Any]:
     value = config.get(key, {})
     if not isinstance(value, dict):
@@ -181,6 +207,8 @@ def resolve(raw: dict[str, Any], file: Path) -> dict[str, Any]:
         "compression": resolve_compression,
     }
     for key, step in steps.items():
+        if key == "peers":
+            config["peers"] = _natural_count(config, out, file)
         try:
             out[key] = step(_section(config, key))
         except ConfigError as e:

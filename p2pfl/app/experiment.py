@@ -28,6 +28,7 @@ from p2pfl.core.json_io import write_json
 from p2pfl.core.seeding import derive_seed
 from p2pfl.data.datasets import load_dataset
 from p2pfl.data.federated import make_federated_data
+from p2pfl.learning.batched import unbatchable
 from p2pfl.learning.state import average_states
 from p2pfl.learning.training import TrainConfig, Trainer, resolve_device
 from p2pfl.methods import METHODS
@@ -84,7 +85,12 @@ def build(config: dict[str, Any], transport: str = "sim") -> Setup:
         population.link, population.rates,
     )  # fmt: skip
     dataset = _within("dataset", load_dataset, config["dataset"], seed)
-    trainer = _within("model", Trainer, config["model"], dataset.input_shape, dataset.num_classes)
+    trainer = _within(
+        "model", Trainer, config["model"], dataset.input_shape, dataset.num_classes,
+        dataset.train_x.dtype,
+    )  # fmt: skip
+    if population.batched and (why := unbatchable(trainer.module(torch.device("cpu")))):
+        raise ConfigError("batched", why).within("peers")
     evaluation = EvalConfig(**config["eval"])
     if evaluation.matching is not None:
         _within(

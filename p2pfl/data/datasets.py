@@ -51,11 +51,21 @@ class Dataset:
     test_x: torch.Tensor
     test_y: torch.Tensor
     num_classes: int
+    # natural groups (Shakespeare's speaking roles, Synthetic's devices): int64 [n] per
+    # train (and test) sample, the ``natural`` partition's peers; None where there are none
+    train_groups: torch.Tensor | None = None
+    test_groups: torch.Tensor | None = None
+    group_names: tuple[str, ...] | None = None  # by group index, where groups have names
 
     @property
     def input_shape(self) -> tuple[int, ...]:
         """The shape of one sample: ``(C, H, W)`` for images."""
         return tuple(self.train_x.shape[1:])
+
+    @property
+    def tokens(self) -> bool:
+        """Whether samples are token ids (integer sequences such as text) rather than floats."""
+        return not self.train_x.is_floating_point()
 
 
 def load_dataset(options: dict[str, Any], seed: int) -> Dataset:
@@ -109,6 +119,9 @@ def take_subsets(
         data.test_x[test],
         data.test_y[test],
         data.num_classes,
+        None if data.train_groups is None else data.train_groups[train],
+        None if data.test_groups is None else data.test_groups[test],
+        data.group_names,
     )
 
 

@@ -14,7 +14,7 @@ import torch
 from p2pfl.core.errors import ConfigError
 from p2pfl.core.options import bind_with_common
 from p2pfl.data.datasets import Dataset
-from p2pfl.data.partition import PARTITIONERS, rotations
+from p2pfl.data.partition import PARTITIONERS, rotations, takes_groups
 
 _PARTITION_TAG = 2  # mixes into the run seed so the partition is its own random stream
 
@@ -99,7 +99,22 @@ def make_federated_data(
     split = SplitOptions(**common)  # reject a bad val_fraction or seed before splitting
 
     labels = dataset.train_y.numpy()
-    parts = fn(labels, num_peers, split.rng(seed), **kwargs)
+    test_x, test_y = dataset.test_x, dataset.test_y
+    if takes_groups(fn):
+        if dataset.train_groups is None:
+            raise ConfigError(
+                "name",
+                f"{name} makes each of the dataset's natural groups a peer, but "
+                f"{dataset.name} has none (shakespeare has: its speaking roles)",
+            )
+        groups = dataset.train_groups.numpy()
+        parts = fn(groups, num_peers, split.rng(seed), **kwargs)
+        if dataset.test_groups is not None:  # the test windows of the groups in the run
+            used = np.unique(np.concatenate([groups[p] for p in parts]))
+            keep = torch.from_numpy(np.isin(dataset.test_groups.numpy(), used))
+            test_x, test_y = test_x[keep], test_y[keep]
+    else:
+        parts = fn(labels, num_peers, split.rng(seed), **kwargs)
     angles = rotations(name, num_peers, kwargs) or [0.0] * num_peers
     # the darkest value per channel, for rotated corners (a pass over every image: only if used)
     fill = dataset.train_x.amin(dim=(0, 2, 3)).tolist() if any(angles) else []
@@ -137,8 +152,8 @@ def make_federated_data(
     counts = np.stack([np.bincount(labels[p], minlength=dataset.num_classes) for p in parts])
     return FederatedData(
         peers=peers,
-        test_x=torch.cat([rotate(dataset.test_x, a, fill) for a in domains]),
-        test_y=dataset.test_y.repeat(len(domains)),
+        test_x=torch.cat([rotate(test_x, a, fill) for a in domains]),
+        test_y=test_y.repeat(len(domains)),
         num_classes=dataset.num_classes,
         input_shape=dataset.input_shape,
         counts=counts,

@@ -12,6 +12,7 @@ rotation each peer's data gets, so partitioners stay plain index splitters.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -239,6 +240,32 @@ def domain(
         )
     perm = rng.permutation(len(labels))
     return [perm[i * size : (i + 1) * size] for i in range(num_peers)]
+
+
+@PARTITIONERS.register("natural")
+def natural(groups: np.ndarray, num_peers: int, rng: Rng) -> list[np.ndarray]:
+    """The dataset's own groups as peers (Shakespeare's speaking roles, Synthetic's
+    devices): peer i holds every train sample of the i-th largest group (most train
+    samples; ties: the earlier group), so ``peers.count`` N takes the N largest and leaving
+    it out takes them all. A partitioner whose first parameter is ``groups`` is handed the
+    dataset's group of each train sample instead of its label; a dataset without groups
+    cannot be split so (:func:`p2pfl.data.federated.make_federated_data`)."""
+    sizes = np.bincount(groups) if len(groups) else np.zeros(0, np.int64)
+    present = np.flatnonzero(sizes)
+    if not 1 <= num_peers <= len(present):
+        raise ConfigError(
+            "count",
+            f"{num_peers} peers but the dataset has {len(present)} natural groups; "
+            f"ask for 1..{len(present)} (or leave peers.count out for all of them)",
+        )
+    order = present[np.argsort(-sizes[present], kind="stable")][:num_peers]
+    return [rng.permutation(np.flatnonzero(groups == g)) for g in order]
+
+
+def takes_groups(fn: Partitioner) -> bool:
+    """Whether the partitioner ``fn`` splits by the dataset's natural groups (its first
+    parameter is ``groups``) rather than by labels."""
+    return next(iter(inspect.signature(fn).parameters), None) == "groups"
 
 
 def rotations(name: str, num_peers: int, options: dict[str, Any]) -> list[float] | None:

@@ -161,9 +161,26 @@ def functional(module: nn.Module) -> bool:
     buffers (BatchNorm's running statistics would be shared), no dropout (its masks would
     come from another generator), no forward hooks."""
     return not (
-        any(True for _ in module.buffers())
+        unbatchable(module) is not None
+        or any(True for _ in module.buffers())
         or any(isinstance(m, nn.modules.dropout._DropoutNd) for m in module.modules())
         or any(m._forward_hooks or m._forward_pre_hooks for m in module.modules())
+    )
+
+
+def unbatchable(module: nn.Module) -> str | None:
+    """Why ``module`` cannot train batched at all (``peers.batched: true`` is refused), or
+    None. Recurrent layers (``char_lstm``): ``torch.func.vmap`` has no batching rule for
+    the fused LSTM kernels (CPU ``mkldnn_rnn_layer``, cuDNN's RNN), so a stacked call would
+    run its peers one after another through vmap's slow fallback; stacking them gains
+    nothing."""
+    rnn = next((m for m in module.modules() if isinstance(m, nn.RNNBase)), None)
+    if rnn is None:
+        return None
+    return (
+        f"this model has a recurrent layer ({type(rnn).__name__}), which cannot train batched: "
+        "torch.func.vmap has no batching rule for the fused LSTM/GRU kernels, so peers would "
+        "still train one by one; set peers.batched: false (the results are the same)"
     )
 
 

@@ -133,6 +133,7 @@ def _probe(model: nn.Module, input_shape: InputShape) -> Tensor:
     param = next(model.parameters(), None)
     device = param.device if param is not None else torch.device("cpu")
     dtype = param.dtype if param is not None else torch.float32
+    dtype = getattr(model, "input_dtype", dtype)  # token models take int64 ids
     forward: Callable[[Tensor], Tensor] = model
     if device.type == "meta":
         _check_size(model, part=True)
@@ -381,7 +382,11 @@ def hidden_units(model: nn.Module) -> dict[str, tuple[nn.Module, int]]:
 
 
 def _model_keys(*, pans: dict | None = None) -> None:
-    """The keys every model takes besides its builder's (see :class:`Pans`)."""
+    """The keys every model takes besides its builder's (see :class:`Pans`).
+
+    Args:
+        pans: position-aware neurons: ``{mode, T, A}`` (see ``model.pans``); off by default.
+    """
 
 
 def resolve_model(options: dict) -> dict[str, Any]:
@@ -402,20 +407,29 @@ def resolve_model(options: dict) -> dict[str, Any]:
     return {"name": options["name"]} | own | {"pans": resolved}
 
 
-def build_model(options: dict, input_shape: InputShape, num_classes: int) -> nn.Module:
-    """Build the model described by the YAML ``model:`` mapping (``name`` plus its keys)."""
-    return model_builder(options, input_shape, num_classes)()
+def build_model(
+    options: dict, input_shape: InputShape, num_classes: int, input_dtype: torch.dtype | None = None
+) -> nn.Module:
+    """Build the model described by the YAML ``model:`` mapping (``name`` plus its keys),
+    checked against the data's ``input_dtype`` if given (:func:`model_builder`)."""
+    return model_builder(options, input_shape, num_classes, input_dtype)()
 
 
 def model_builder(
-    options: dict, input_shape: InputShape, num_classes: int
+    options: dict,
+    input_shape: InputShape,
+    num_classes: int,
+    input_dtype: torch.dtype | None = None,
 ) -> Callable[[], nn.Module]:
-    """A function that builds the model of ``options``, checked once here: its keys and
-    its size (on the meta device: a typo must not allocate 256 GB). A trainer
+    """A function that builds the model of ``options``, checked once here: its keys, its
+    size (on the meta device: a typo must not allocate 256 GB) and that it takes the
+    data's kind of input (``input_dtype``, if given: float images and signals, or int64
+    tokens, which builders marked :func:`token_model` take). A trainer
     builds its model again for each seed and device, and the checks cost 3-4 times the
     build of a small MLP (366 µs against 88 µs for the digits MLP)."""
     keys = resolve_model(options)
-    fn = MODELS.get(keys.pop("name"))
+    name = keys.pop("name")
+    fn = MODELS.get(name)
     pans = Pans(**keys.pop("pans"))
     shape = tuple(input_shape)
 
@@ -427,9 +441,28 @@ def model_builder(
             raise e.within("pans") from None
         return model
 
+    tokens = input_dtype is not None and not input_dtype.is_floating_point
+    takes = takes_tokens(fn)
+    if input_dtype is not None and takes != tokens:
+        data = f"token windows {list(shape)} (int64)" if tokens else f"float samples {list(shape)}"
+        wanted = "token windows (int64, e.g. dataset shakespeare)" if takes else "float inputs"
+        hint = "char_lstm or char_transformer" if tokens else "an image or signal model"
+        raise ConfigError("name", f"{name} takes {wanted} but the dataset gives {data}; use {hint}")
     with torch.device("meta"):
         _check_size(fn(shape, num_classes, **keys))
     return build
+
+
+def token_model(fn: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
+    """Mark a model builder whose models take int64 token ids ``[n, seq_len]`` (text) and
+    set ``input_dtype = torch.long`` on their class; others take float samples."""
+    fn.takes_tokens = True  # type: ignore[attr-defined]
+    return fn
+
+
+def takes_tokens(fn: Callable[..., nn.Module]) -> bool:
+    """Whether the builder ``fn`` was marked with :func:`token_model`."""
+    return bool(getattr(fn, "takes_tokens", False))
 
 
 def _check_size(model: nn.Module, part: bool = False) -> None:
@@ -444,15 +477,19 @@ def _check_size(model: nn.Module, part: bool = False) -> None:
 def forward_flops(model: nn.Module, input_shape: InputShape) -> int:
     """FLOPs of one forward pass for one sample, for the simulator's compute-time model.
 
-    Counts Linear (2·in·out per output row), Conv2d (2·(Cin/groups)·kh·kw per output
-    element) and Conv1d (2·(Cin/groups)·k per output element) layers with forward hooks on
-    a dummy input; bias adds, activations, norms, pooling and residual additions are
-    ignored (a few percent at most for these models).
+    A module with a ``flops(inputs, output)`` method adds what it returns (recurrent and
+    attention layers: :mod:`p2pfl.learning.sequence`). Counts Linear (2·in·out per output
+    row), Conv2d (2·(Cin/groups)·kh·kw per output element) and Conv1d (2·(Cin/groups)·k per
+    output element) layers with forward hooks on a dummy input; bias adds, activations,
+    norms, pooling and residual additions are ignored (a few percent at most for these
+    models).
     """
     total = 0
 
     def count(module: nn.Module, inputs: tuple[Tensor, ...], output: Tensor) -> None:
         nonlocal total
+        if callable(getattr(module, "flops", None)):
+            total += module.flops(inputs, output)  # type: ignore[operator]
         if isinstance(module, nn.Linear):
             total += 2 * module.in_features * output.numel()
         elif isinstance(module, (nn.Conv1d, nn.Conv2d)):
@@ -462,7 +499,7 @@ def forward_flops(model: nn.Module, input_shape: InputShape) -> int:
     handles = [
         m.register_forward_hook(count)
         for m in model.modules()
-        if isinstance(m, (nn.Linear, nn.Conv1d, nn.Conv2d))
+        if isinstance(m, (nn.Linear, nn.Conv1d, nn.Conv2d)) or callable(getattr(m, "flops", None))
     ]
     try:
         _probe(model, input_shape)

@@ -125,8 +125,14 @@ def resolve_device(device: str) -> torch.device:
 class Trainer:
     """Trains and scores states of one architecture; also its FLOP-based compute model."""
 
-    def __init__(self, model_options: dict[str, Any], input_shape: InputShape, num_classes: int):
-        self._build = model_builder(model_options, input_shape, num_classes)
+    def __init__(
+        self,
+        model_options: dict[str, Any],
+        input_shape: InputShape,
+        num_classes: int,
+        input_dtype: torch.dtype | None = None,  # the data's: int64 for tokens (text)
+    ):
+        self._build = model_builder(model_options, input_shape, num_classes, input_dtype)
         self._modules: dict[torch.device, nn.Module] = {torch.device("cpu"): self._build()}
         self.forward_flops = forward_flops(self._modules[torch.device("cpu")], input_shape)
         self.busy_s = 0.0  # wall time spent inside train/evaluate (the overhead floor)
@@ -176,7 +182,7 @@ class Trainer:
         model.load_state_dict(state)
         params = [p for p in model.parameters() if p.requires_grad]
         x_all, y_all = data.train_x.to(device), data.train_y.to(device)
-        full = self._replayed(model, params, x_all.shape[1:], cfg, regularizer, device)
+        full = self._replayed(model, params, x_all, cfg, regularizer, device)
         opt = optimizer(params, cfg) if full is None else full.start()
         n = len(y_all)
         best_acc, best_state, skipped = -1.0, None, 0
@@ -205,7 +211,7 @@ class Trainer:
         self,
         model: nn.Module,
         params: list[nn.Parameter],
-        shape: torch.Size,
+        x_all: torch.Tensor,
         cfg: TrainConfig,
         regularizer: Regularizer | None,
         device: torch.device,
@@ -217,9 +223,10 @@ class Trainer:
         eager = regularizer is not None or cfg.optimizer != "sgd"
         if not self.graphs or device.type != "cuda" or eager:
             return None
-        key = (device, shape, cfg.batch_size, cfg.lr, cfg.momentum, cfg.weight_decay)
+        shape, dtype = x_all.shape[1:], x_all.dtype
+        key = (device, shape, dtype, cfg.batch_size, cfg.lr, cfg.momentum, cfg.weight_decay)
         if key not in self._full:
-            self._full[key] = _FullBatch(model, params, shape, cfg, device)
+            self._full[key] = _FullBatch(model, params, shape, dtype, cfg, device)
         return self._full[key]
 
     def evaluate(
@@ -353,11 +360,12 @@ class _FullBatch:
         model: nn.Module,
         params: list[nn.Parameter],
         shape: torch.Size,
+        dtype: torch.dtype,
         cfg: TrainConfig,
         device: torch.device,
     ) -> None:
         self.opt = opt = torch_optimizer(params, cfg)
-        x = self.x = torch.zeros(cfg.batch_size, *shape, device=device)
+        x = self.x = torch.zeros(cfg.batch_size, *shape, dtype=dtype, device=device)
         y = self.y = torch.zeros(cfg.batch_size, dtype=torch.long, device=device)
 
         def run() -> None:  # holds no reference to self: no cycle keeps a graph alive
