@@ -196,11 +196,15 @@ def test_the_page_of_several_runs_compares_them(pages, runs):
         summary = json.loads((run / "summary.json").read_text())
         assert f'<td class="num">{summary["comm"]["total_bytes"]:,}</td>' in text
         assert f'<td class="num">{summary["final"]["accuracy"]:.6g}</td>' in text
-    # what differs: keys that differ, a column each; a key every run shares is not there
+    # what differs: a column for each key every run has and whose values differ, the keys
+    # only some runs have as text (the churn run's network section, a method's own keys)
     differs = text[text.index("<h3>What differs</h3>") : text.index("<h3>Side by side</h3>")]
-    for key in ("algorithm.name", "topology.kind", "network.churn.offline_fraction", "seed"):
-        assert f"<th>{key}</th>" in differs
-    assert "<th>dataset.name</th>" not in differs
+    header = re.findall(r"<th>([^<]+)</th>", differs)
+    assert header[0] == "run" and header[-1] == "keys only some runs have"
+    assert {"seed", "topology.kind", "algorithm.name", "algorithm.rounds"} <= set(header)
+    assert "dataset.name" not in header and "dataset.name" not in differs  # all digits
+    assert "network.churn.offline_fraction=0.3" in differs
+    assert "algorithm.participation=0.5" in differs  # the quick-start's FedAvg only
     # side by side: quickstart, churn and the sweep's two lines (named after the sweep)
     side = text[text.index("<h3>Side by side</h3>") : text.index("Sweep sweep: its cells")]
     assert re.findall(r"<tr><td>([^<]+)</td><td class=\"num\">(\d)</td>", side) == [

@@ -315,20 +315,32 @@ def flat(value: Any, prefix: str = "") -> dict[str, Any]:
 
 
 def differences(named: list[tuple[str, Run]]) -> str:
-    """The config keys whose values differ between the runs, a column each."""
+    """The config keys whose values differ between the runs: a column each for the keys
+    every run has (in the config's order), and one column for those only some runs have (a
+    method's own keys, where the runs' methods differ) as ``key=value`` text."""
     configs = [flat(r.config) for _, r in named]
-    keys = sorted({k for c in configs for k in c})
+    keys = list(dict.fromkeys(k for c in configs for k in c))
     missing = object()
     differ = [k for k in keys if len({repr(c.get(k, missing)) for c in configs}) > 1]
     if not differ:
         return "<h3>What differs</h3>" + note("The runs' configs are the same.")
-    rows = [[Link(run_id(i), name), *(c.get(k, "—") for k in differ)]
-            for i, ((name, _), c) in enumerate(zip(named, configs, strict=True))]  # fmt: skip
+    shared = [k for k in differ if all(k in c for c in configs)]
+    some = [k for k in differ if k not in shared]
+    rows = []
+    for i, ((name, _), c) in enumerate(zip(named, configs, strict=True)):
+        own = ", ".join(f"{k}={cell_text(c[k])}" for k in some if k in c)
+        rows.append([Link(run_id(i), name), *(c[k] for k in shared), *([own] if some else [])])
+    header = ["run", *shared, *(["keys only some runs have"] if some else [])]
     return (
         "<h3>What differs</h3>"
         + note("The config keys (config.yaml) whose values are not the same in every run.")
-        + table_html(["run", *differ], rows)
+        + table_html(header, rows)
     )
+
+
+def cell_text(v: Any) -> str:
+    """A value as plain text (:func:`cell` before escaping)."""
+    return html.unescape(cell(v))
 
 
 def _stat(runs: list[Run], *keys: str) -> tuple[float, float]:
