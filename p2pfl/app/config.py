@@ -29,6 +29,8 @@ from p2pfl.learning.robust import resolve_aggregator
 from p2pfl.learning.training import TrainConfig
 from p2pfl.methods import METHODS
 from p2pfl.methods.attacks import resolve_adversary
+from p2pfl.methods.base import Aggregating
+from p2pfl.methods.relaxed import parse_relaxed_init
 from p2pfl.network.codecs import resolve_section as resolve_compression
 from p2pfl.network.dynamics import resolve_network
 from p2pfl.network.peers import build_population, resolve_peers
@@ -133,10 +135,14 @@ def _topology(options: dict[str, Any], file: Path) -> dict[str, Any]:
 
 def _algorithm(options: dict[str, Any]) -> dict[str, Any]:
     """Check an ``algorithm:`` mapping; a method's ``aggregator`` (FedAvg's, DFedAvgM's, a
-    plug-in's: a rule of ``AGGREGATORS``) is checked here too and written with its defaults."""
+    plug-in's: a rule of ``AGGREGATORS``) and its ``relaxed_init`` are checked here too and
+    written with their defaults."""
     out = _named(METHODS, options, 0)
     if "aggregator" in out:
         out["aggregator"] = resolve_aggregator(out["aggregator"])
+    if issubclass(METHODS.get(out["name"]), Aggregating):  # FedInit's start, with its defaults
+        relaxed = parse_relaxed_init(out["relaxed_init"])
+        out["relaxed_init"] = None if relaxed is None else asdict(relaxed)
     return out
 
 
