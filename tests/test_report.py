@@ -283,3 +283,29 @@ def test_bad_directories_are_one_error_line_and_nothing_is_written(runs, tmp_pat
     )
     assert not (runs["churn"] / "report.html").exists()
     assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+
+
+def test_a_failed_run_has_its_page_too(runs, tmp_path):
+    """A run that failed before its first evaluation and message: the page says so."""
+    failed = tmp_path / "failed"
+    shutil.copytree(runs["quickstart"], failed, ignore=shutil.ignore_patterns("report.html"))
+    summary = json.loads((failed / "summary.json").read_text())
+    summary |= {"status": "failed", "error": "deadlock: 3 waits for 1 model message(s)"}
+    (failed / "summary.json").write_text(json.dumps(summary))
+    for name in ("metrics.csv", "comm.csv"):
+        header = (failed / name).read_text().splitlines()[0]
+        (failed / name).write_text(header + "\n")
+    assert report(str(failed)) == 0
+    text = (failed / "report.html").read_text(encoding="utf-8")
+    assert text.count('<tr class="bad">') == 1
+    assert "<tr><td>error</td><td>deadlock: 3 waits for 1 model message(s)</td></tr>" in text
+    assert text.count("<svg") == 4
+
+
+def test_the_same_runs_give_the_same_page_but_for_its_date(runs):
+    from p2pfl.reporting.report import render
+
+    paths = [runs["quickstart"], runs["churn"]]
+    date = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d UTC")
+    first, second = (date.sub("DATE", render(paths, "p2pfl report ...")) for _ in range(2))
+    assert first == second and first.count("DATE") == 1
