@@ -21,13 +21,14 @@ import zlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
 
 from p2pfl.core.errors import ConfigError
 from p2pfl.core.options import Registry, bind_with_common
+from p2pfl.data.download import needs
 
 DATASETS: Registry[Callable[..., Dataset]] = Registry("dataset")
 
@@ -109,7 +110,14 @@ def take_subsets(
     data: Dataset, seed: int, *, subset: int | None = None, test_subset: int | None = None
 ) -> Dataset:
     """Keep a random ``subset`` of the train set (seeded by the run seed) and a random
-    ``test_subset`` of the test set (fixed, so every seed is scored on the same images)."""
+    ``test_subset`` of the test set (fixed, so every seed is scored on the same images).
+
+    Args:
+        subset: keep a random subset of this many training samples, drawn from the run's seed (null:
+            all).
+        test_subset: keep this many test samples, a fixed draw that is the same for every seed
+            (null: all).
+    """
     train = _pick(len(data.train_y), subset, "subset", [seed, _SUBSET_TAG])
     test = _pick(len(data.test_y), test_subset, "test_subset", [_TEST_SUBSET_SEED])
     return Dataset(
@@ -136,7 +144,12 @@ def _pick(n: int, size: int | None, key: str, entropy: list[int]) -> slice | tor
 
 
 def _to_dataset(
-    name: str, arrays: Arrays, scale: float, mean: Sequence[float], std: Sequence[float]
+    name: str,
+    arrays: Arrays,
+    scale: float,
+    mean: Sequence[float],
+    std: Sequence[float],
+    num_classes: int = 10,
 ) -> Dataset:
     """Scale integer images to [0, 1] and normalise each channel with ``mean``/``std``."""
     m = torch.tensor(mean, dtype=torch.float32).view(1, -1, 1, 1)
@@ -160,7 +173,7 @@ def _to_dataset(
         torch.from_numpy(train_y.astype(np.int64)),
         images(test_x),
         torch.from_numpy(test_y.astype(np.int64)),
-        num_classes=10,
+        num_classes=num_classes,
     )
 
 
@@ -276,7 +289,7 @@ def _find_idx_files(dirs: list[Path], what: str) -> list[Path]:
     raise ConfigError(
         "root",
         f"{what} not found: expected files {', '.join(_IDX_FILES)} (each may end in .gz) "
-        f"under {' or '.join(str(d) for d in dirs)} (p2pfl never downloads)",
+        f"under {' or '.join(str(d) for d in dirs)} (p2pfl never downloads without download: true)",
     )
 
 
@@ -308,7 +321,15 @@ def fashion_mnist(*, root: str | None = None, mean: float = 0.2860, std: float =
     (/usr/share/datasets/fashion-mnist); ``root`` may be a directory of the IDX files or a
     torchvision root (``root/FashionMNIST/raw``). Pixels in [0, 1] are normalised with
     ``mean`` and ``std`` (default: the dataset's own; FedFisher's code uses MNIST's 0.1307
-    and 0.3081, which matters for its bias-free networks)."""
+    and 0.3081, which matters for its bias-free networks).
+
+    Args:
+        root: a directory of the IDX files or a torchvision root (null: the Debian package's files
+            in /usr/share/datasets/fashion-mnist).
+        mean: input normalisation: the mean subtracted from pixels in [0, 1] (FedFisher's
+            experiments use MNIST's 0.1307).
+        std: input normalisation: the standard deviation pixels are divided by (MNIST's: 0.3081).
+    """
     if std <= 0:
         raise ConfigError("std", f"must be > 0, got {std}")
     if root is None:
@@ -321,11 +342,100 @@ def fashion_mnist(*, root: str | None = None, mean: float = 0.2860, std: float =
 
 
 @DATASETS.register("mnist")
-def mnist(*, root: str) -> Dataset:
-    """MNIST from a torchvision root (``root/MNIST/raw``) or a directory of its IDX files."""
+def mnist(*, root: str, download: bool = False) -> Dataset:
+    """MNIST from a torchvision root (``root/MNIST/raw``) or a directory of its IDX files.
+
+    Args:
+        root: a torchvision root (``root/MNIST/raw/*-ubyte[.gz]``) or a directory of the IDX files.
+        download: when the files are missing, torchvision downloads them into ``root`` (its
+            URLs and md5 checksums); false: nothing is ever fetched.
+    """
     base = _root(root)
-    arrays = _read_idx_dataset((base / "MNIST" / "raw", base), "MNIST")
+    dirs = (base / "MNIST" / "raw", base)
+    needs(_idx_present(dirs), download, "mnist", base)
+    arrays = _read_idx_dataset(dirs, "MNIST")
     return _to_dataset("mnist", arrays, 255.0, [0.1307], [0.3081])
+
+
+def _idx_present(dirs: tuple[Path, ...], names: Sequence[str] = _IDX_FILES) -> bool:
+    """Whether one of ``dirs`` holds every file of ``names`` (each plain or ``.gz``)."""
+    return any(all(_first_file(d / f, d / f"{f}.gz") for f in names) for d in dirs)
+
+
+EMNIST_CLASSES = {
+    "byclass": 62, "bymerge": 47, "balanced": 47, "letters": 26, "digits": 10, "mnist": 10,
+}  # fmt: skip
+"""Classes of each EMNIST split (Cohen et al. 2017, Table II)."""
+
+
+@DATASETS.register("emnist")
+def emnist(
+    *,
+    root: str,
+    split: Literal["byclass", "bymerge", "balanced", "letters", "digits", "mnist"] = "balanced",
+    download: bool = False,
+) -> Dataset:
+    """EMNIST (Cohen et al. 2017) from torchvision's layout: the IDX files
+    ``emnist-SPLIT-{train,test}-{images-idx3,labels-idx1}-ubyte[.gz]`` in ``root/EMNIST/raw``
+    (or ``root``). Images are turned upright (the files hold them transposed); ``letters``'
+    labels 1..26 become 0..25. Normalised with the train set's own mean and std.
+
+    Args:
+        root: a torchvision root (``root/EMNIST/raw``) or a directory of the split's IDX files.
+        split: ``byclass`` (62 classes), ``bymerge`` (47), ``balanced`` (47), ``letters``
+            (26), ``digits`` (10) or ``mnist`` (10).
+        download: when the split's files are missing, torchvision downloads the EMNIST archive
+            (all splits, 535 MB) into ``root`` and extracts it (its URL and md5 checksum);
+            false: nothing is ever fetched.
+    """
+    if split not in EMNIST_CLASSES:
+        raise ConfigError("split", f"must be one of {', '.join(EMNIST_CLASSES)}, got {split!r}")
+    base = _root(root)
+    dirs = (base / "EMNIST" / "raw", base)
+    names = _emnist_files(split)
+    needs(_idx_present(dirs, names), download, "emnist", base, split=split)
+    arrays = _read_emnist(dirs, split)
+    pixels = arrays[0][: 1 << 14] / 255.0  # a fixed sample: the statistics of 16k images
+    return _to_dataset(
+        "emnist", arrays, 255.0, [float(pixels.mean())], [float(pixels.std())],
+        num_classes=EMNIST_CLASSES[split],
+    )  # fmt: skip
+
+
+def _emnist_files(split: str) -> tuple[str, ...]:
+    """The four IDX files of an EMNIST split, as torchvision names them."""
+    return tuple(
+        f"emnist-{split}-{part}-{kind}-ubyte"
+        for part in ("train", "test")
+        for kind in ("images-idx3", "labels-idx1")
+    )
+
+
+@functools.cache
+def _read_emnist(dirs: tuple[Path, ...], split: str) -> Arrays:
+    names = _emnist_files(split)
+    found = next((d for d in dirs if _idx_present((d,), names)), None)
+    if found is None:
+        raise ConfigError(
+            "root",
+            f"EMNIST {split} not found: expected files {', '.join(names)} (each may end in "
+            f".gz) under {' or '.join(str(d) for d in dirs)} (p2pfl never downloads "
+            "without download: true)",
+        )
+    paths = [_first_file(found / f, found / f"{f}.gz") for f in names]
+    train_x, train_y, test_x, test_y = (read_idx(p) for p in paths if p is not None)
+    low = 1 if split == "letters" else 0
+    for x, y in ((train_x, train_y), (test_x, test_y)):
+        if x.ndim != 3 or y.ndim != 1 or len(x) != len(y) or x.dtype != np.uint8:
+            raise ConfigError("root", f"{found}: EMNIST files must hold uint8 images and labels")
+        if not _whole(y, low, low + EMNIST_CLASSES[split] - 1):
+            raise ConfigError("root", f"{found}: EMNIST {split} labels out of range")
+    return _frozen(
+        np.ascontiguousarray(train_x.transpose(0, 2, 1))[:, None],
+        train_y.astype(np.int64) - low,
+        np.ascontiguousarray(test_x.transpose(0, 2, 1))[:, None],
+        test_y.astype(np.int64) - low,
+    )
 
 
 # --- CIFAR-10 ---------------------------------------------------------------------------
@@ -334,11 +444,21 @@ _CIFAR_TRAIN = tuple(f"data_batch_{i}" for i in range(1, 6))
 
 
 @DATASETS.register("cifar10")
-def cifar10(*, root: str) -> Dataset:
+def cifar10(*, root: str, download: bool = False) -> Dataset:
     """CIFAR-10 from torchvision's layout: the python pickle batches in
-    ``root/cifar-10-batches-py`` (or in ``root`` itself)."""
+    ``root/cifar-10-batches-py`` (or in ``root`` itself).
+
+    Args:
+        root: the directory holding ``cifar-10-batches-py/`` (torchvision's layout) or the batches
+            themselves.
+        download: when the files are missing, torchvision downloads and extracts the archive
+            into ``root`` (its URL and md5 checksum); false: nothing is ever fetched.
+    """
     base = _root(root)
-    arrays = _read_cifar10((base / "cifar-10-batches-py", base))
+    dirs = (base / "cifar-10-batches-py", base)
+    present = any(all((d / n).is_file() for n in (*_CIFAR_TRAIN, "test_batch")) for d in dirs)
+    needs(present, download, "cifar10", base)
+    arrays = _read_cifar10(dirs)
     return _to_dataset("cifar10", arrays, 255.0, [0.4914, 0.4822, 0.4465], [0.2470, 0.2435, 0.2616])
 
 
@@ -350,7 +470,7 @@ def _read_cifar10(dirs: tuple[Path, ...]) -> Arrays:
         raise ConfigError(
             "root",
             f"CIFAR-10 not found: expected files {', '.join(names)} under "
-            f"{' or '.join(str(d) for d in dirs)} (p2pfl never downloads)",
+            f"{' or '.join(str(d) for d in dirs)} (p2pfl never downloads without download: true)",
         )
     train = [_read_cifar_batch(found / n) for n in _CIFAR_TRAIN]
     test_x, test_y = _read_cifar_batch(found / "test_batch")
@@ -359,29 +479,86 @@ def _read_cifar10(dirs: tuple[Path, ...]) -> Arrays:
     return _frozen(train_x, train_y, test_x, test_y)
 
 
-def _read_cifar_batch(path: Path) -> tuple[np.ndarray, np.ndarray]:
+def _read_cifar_batch(
+    path: Path, key: str = "labels", classes: int = 10
+) -> tuple[np.ndarray, np.ndarray]:
     """One CIFAR pickle batch (trusted input, as in torchvision): ``data`` uint8
-    ``[n, 3072]`` and ``labels``."""
+    ``[n, 3072]`` and the labels under ``key`` (CIFAR-100: ``fine_labels``, ``coarse_labels``),
+    each below ``classes``."""
+    what = "CIFAR-10 batch" if classes == 10 else "CIFAR-100 file"
     try:
         with path.open("rb") as f:
             entry = pickle.load(f, encoding="latin1")
         x = np.asarray(entry["data"], dtype=np.uint8).reshape(-1, 3, 32, 32)
-        y = np.asarray(entry["labels"], dtype=np.int64)
+        y = np.asarray(entry[key], dtype=np.int64)
     except Exception as e:  # a bad pickle can raise almost anything
-        raise ConfigError("root", f"{path} is not a CIFAR-10 batch: {e!r}") from None
-    if len(x) != len(y) or (y.size and not 0 <= y.min() <= y.max() < 10):
-        raise ConfigError("root", f"{path}: CIFAR-10 batch has bad labels")
+        raise ConfigError("root", f"{path} is not a {what}: {e!r}") from None
+    if len(x) != len(y) or (y.size and not 0 <= y.min() <= y.max() < classes):
+        raise ConfigError("root", f"{path}: {what} has bad labels")
     return x, y
+
+
+# --- CIFAR-100 --------------------------------------------------------------------------
+
+
+@DATASETS.register("cifar100")
+def cifar100(
+    *, root: str, labels: Literal["fine", "coarse"] = "fine", download: bool = False
+) -> Dataset:
+    """CIFAR-100 from torchvision's layout: the python pickles ``train`` and ``test`` in
+    ``root/cifar-100-python`` (or in ``root`` itself).
+
+    Args:
+        root: the directory holding ``cifar-100-python/`` (torchvision's layout) or the
+            pickles themselves.
+        labels: ``fine`` (100 classes) or ``coarse`` (the 20 superclasses).
+        download: when the files are missing, torchvision downloads and extracts the archive
+            into ``root`` (its URL and md5 checksum); false: nothing is ever fetched.
+    """
+    if labels not in ("fine", "coarse"):
+        raise ConfigError("labels", f"must be fine or coarse, got {labels!r}")
+    base = _root(root)
+    dirs = (base / "cifar-100-python", base)
+    present = any(all((d / n).is_file() for n in ("train", "test")) for d in dirs)
+    needs(present, download, "cifar100", base)
+    arrays = _read_cifar100(dirs, labels)
+    mean, std = [0.5071, 0.4865, 0.4409], [0.2673, 0.2564, 0.2762]
+    return _to_dataset("cifar100", arrays, 255.0, mean, std, 100 if labels == "fine" else 20)
+
+
+@functools.cache
+def _read_cifar100(dirs: tuple[Path, ...], labels: str) -> Arrays:
+    found = next((d for d in dirs if all((d / n).is_file() for n in ("train", "test"))), None)
+    if found is None:
+        raise ConfigError(
+            "root",
+            f"CIFAR-100 not found: expected files train, test under "
+            f"{' or '.join(str(d) for d in dirs)} (p2pfl never downloads without download: true)",
+        )
+    classes = 100 if labels == "fine" else 20
+    (train_x, train_y), (test_x, test_y) = (
+        _read_cifar_batch(found / n, f"{labels}_labels", classes) for n in ("train", "test")
+    )
+    return _frozen(train_x, train_y, test_x, test_y)
 
 
 # --- SVHN -------------------------------------------------------------------------------
 
 
 @DATASETS.register("svhn")
-def svhn(*, root: str) -> Dataset:
+def svhn(*, root: str, download: bool = False) -> Dataset:
     """SVHN cropped digits: ``train_32x32.mat`` and ``test_32x32.mat`` in ``root`` (as
-    torchvision's SVHN keeps them); label 10 (digit 0) becomes 0."""
-    arrays = _read_svhn(_root(root))
+    torchvision's SVHN keeps them); label 10 (digit 0) becomes 0.
+
+    Args:
+        root: the directory holding ``train_32x32.mat`` and ``test_32x32.mat``.
+        download: when the files are missing, torchvision downloads them into ``root`` (its
+            URLs and md5 checksums); false: nothing is ever fetched.
+    """
+    base = _root(root)
+    present = all((base / f"{s}_32x32.mat").is_file() for s in ("train", "test"))
+    needs(present, download, "svhn", base)
+    arrays = _read_svhn(base)
     return _to_dataset("svhn", arrays, 255.0, [0.4377, 0.4438, 0.4728], [0.1980, 0.2010, 0.1970])
 
 
@@ -392,7 +569,7 @@ def _read_svhn(root: Path) -> Arrays:
         raise ConfigError(
             "root",
             f"SVHN not found: expected files train_32x32.mat, test_32x32.mat under {root} "
-            "(p2pfl never downloads)",
+            "(p2pfl never downloads without download: true)",
         )
     (train_x, train_y), (test_x, test_y) = (_read_svhn_mat(p) for p in paths)
     return _frozen(train_x, train_y, test_x, test_y)
