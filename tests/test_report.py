@@ -196,6 +196,16 @@ def test_the_page_of_several_runs_compares_them(pages, runs):
         summary = json.loads((run / "summary.json").read_text())
         assert f'<td class="num">{summary["comm"]["total_bytes"]:,}</td>' in text
         assert f'<td class="num">{summary["final"]["accuracy"]:.6g}</td>' in text
+    # the churn run's targets: its time to each, "never", and "—" for the runs without
+    header = re.findall(r"<th>([^<]+)</th>", text[: text.index("</table>")])
+    assert header[-2:] == ["time to 0.3 (s)", "time to 0.99 (s)"]
+    reached = json.loads((runs["churn"] / "summary.json").read_text())["time_to_accuracy"]
+    assert reached["0.99"] is None
+    churn = re.search(r"<tr><td><a href=\"#run-2\">churn</a>.*?</tr>", text)
+    assert churn is not None and churn.group().endswith(
+        f'<td class="num">{reached["0.3"]["time_s"]:.6g}</td><td>never</td></tr>'
+    )
+    assert text[: text.index("</table>")].count("<td>—</td>") == 2 * 5
     # what differs: a column for each key every run has and whose values differ, the keys
     # only some runs have as text (the churn run's network section, a method's own keys)
     differs = text[text.index("<h3>What differs</h3>") : text.index("<h3>Side by side</h3>")]

@@ -8,7 +8,8 @@ file that needs nothing else to be read: every figure is inline SVG (drawn by
 there is no script and no reference to anything outside the file. The page holds, in order:
 
 - **Runs**: one row per run (its status, method, topology, peers, seed, final accuracy and
-  loss, bytes, messages, simulated and wall time), each linked to its own section; with
+  loss, bytes, messages, simulated and wall time, its time to each of the runs'
+  ``eval.targets``), each linked to its own section; with
   several runs, the config keys whose values differ between them, and, per line (a sweep's
   combination of its non-seed keys), the mean ± sample std over its runs with a bar chart;
   for a sweep directory, its ``cells.csv`` (cells skipped or failed, with their reason).
@@ -280,19 +281,31 @@ def _get(d: Any, *keys: str) -> Any:
 def runs_section(
     paths: list[Path], lines: list[tuple[str, list[Run]]], named: list[tuple[str, Run]]
 ) -> str:
+    targets = sorted(
+        {k for _, r in named for k in _get(r.summary, "time_to_accuracy") or {}}, key=_as_float
+    )
     header = ["run", "status", "algorithm", "topology", "peers", "seed", "transport",
-              "accuracy", "loss", "bytes", "messages", "sim time (s)", "wall time (s)"]  # fmt: skip
+              "accuracy", "loss", "bytes", "messages", "sim time (s)", "wall time (s)",
+              *(f"time to {t} (s)" for t in targets)]  # fmt: skip
     rows, classes = [], []
     for i, (name, run) in enumerate(named):
         s = run.summary
+        reached = _get(s, "time_to_accuracy") or {}
         rows.append([
             Link(run_id(i), name), s.get("status"), s.get("algorithm"), s.get("topology"),
             s.get("num_peers"), s.get("seed"), s.get("transport"), _get(s, "final", "accuracy"),
             _get(s, "final", "loss"), _get(s, "comm", "total_bytes"),
             _get(s, "comm", "messages"), s.get("sim_time_s"), s.get("wall_time_s"),
+            *(_get(reached, t, "time_s") if _get(reached, t) else
+              ("never" if t in reached else "—") for t in targets),
         ])  # fmt: skip
         classes.append("" if s.get("status") == "ok" else "bad")
     out = [table_html(header, rows, classes)]
+    if targets:
+        out.append(note(
+            "time to A: the simulated time at which the run's accuracy first reached A "
+            "(summary.json's time_to_accuracy; never: not reached; —: not a target of the run)."
+        ))  # fmt: skip
     if len(named) > 1:
         out.append(differences(named))
         out.append(lines_html(lines))
@@ -300,6 +313,13 @@ def runs_section(
         if (path / "cells.csv").is_file():
             out.append(cells_html(path))
     return "".join(out)
+
+
+def _as_float(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        return float("inf")
 
 
 def flat(value: Any, prefix: str = "") -> dict[str, Any]:
