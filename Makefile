@@ -2,12 +2,13 @@
 #   make run   - install into .venv (if missing) and run the quick-start experiment
 #   make test  - install into .venv (if missing), fetch the offline datasets, run the tests
 #   make claims - the claims tier: the published results re-run and asserted (pytest -m claims)
+#   make docs  - the documentation site into site/ (open site/index.html)
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 FMNIST := /usr/share/datasets/fashion-mnist
 
-.PHONY: run test claims install data lint bench
+.PHONY: run test claims install data lint bench docs
 
 install: $(STAMP)
 
@@ -43,3 +44,8 @@ lint: install
 
 bench: install
 	$(PY) benchmarks/overhead.py
+
+# The documentation site (mkdocs.yml, docs/) into site/: warnings are errors, every internal
+# link and anchor is checked; the YAML and command-line references are generated from the code.
+docs: install
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet

@@ -4,6 +4,29 @@ Every section is checked against the signature of the component it configures (s
 :mod:`p2pfl.core.options`), before any data is loaded, so a typo fails in milliseconds with
 ``error: FILE: key.path: what is wrong``. The resolved mapping (all defaults filled in) is
 what a run writes to ``config.yaml``.
+
+The top-level keys of an experiment file (each section's own keys: the docs' YAML
+reference, generated from the components by :mod:`p2pfl.app.reference`):
+
+- ``name``: the run's name (at most 200 bytes): ``runs/NAME-seedN`` and every output's
+  ``experiment`` (default: the file's name without ``.yaml``).
+- ``seed``: the seed of every random draw (0..2⁶³−1); the same seed gives the same result.
+- ``dataset``: where the data comes from, ``{name, ...}``.
+- ``partition``: how the data is split among the peers, ``{name, ...}``.
+- ``model``: the network every peer trains, ``{name, ...}``.
+- ``topology``: who talks to whom: a graph ``{kind, ...}`` or a ``file`` of one.
+- ``peers``: how many peers and what they run on: compute speed, links, device.
+- ``algorithm``: the method, ``{name, ...}``, with its own keys.
+- ``train``: how every local training runs (methods may override keys per call).
+- ``eval``: how often the global test set is scored and where the rows go.
+- ``transport``: how a real run over ZeroMQ behaves (ignored in simulation).
+- ``compression``: a codec per message kind, counted by the bytes really sent.
+- ``plugins``: your own modules (``.py`` files or dotted names), imported before any name
+  is looked up, so every section may name what they register.
+- ``network``: a network that misbehaves: churn, crashes, loss, partitions, changing graphs.
+- ``adversary``: attacking peers: who attacks and how.
+- ``stop``: end the run at a time, a number of samples trained or an accuracy.
+- ``sweep``: a grid ``{key: [values]}`` over any keys: one run per cell, one table.
 """
 
 from __future__ import annotations

@@ -47,7 +47,14 @@ class FederatedData:
 
 @dataclass(frozen=True)
 class SplitOptions:
-    """The ``partition`` keys every partitioner shares."""
+    """The ``partition`` keys every partitioner shares.
+
+    Args:
+        val_fraction: each peer holds out the first this fraction of its shuffled samples as its
+            validation split (at least one; every peer keeps a training sample).
+        seed: fix the split for every run seed: drawn with numpy's legacy ``RandomState(seed)``, as
+            reference codes that call ``np.random.seed`` do (null: the run's seed).
+    """
 
     val_fraction: float = 0.1
     seed: int | None = None

@@ -61,6 +61,11 @@ def dirichlet(
 
     If every eligible peer draws exactly 0 (possible for tiny alpha), the class is spread
     uniformly over the eligible peers instead of dividing by zero.
+
+    Args:
+        alpha: the Dirichlet concentration (> 0; smaller is more skewed).
+        min_size: redraw until every peer has at least this many samples...
+        max_tries: ...at most this many times, then a clear error (it never loops forever).
     """
     _check_skew(labels, num_peers, alpha, min_size, max_tries)
     n = len(labels)
@@ -144,7 +149,13 @@ def peer_dirichlet(
     """Label skew as in the FedFisher (and FedMA) code: each peer draws its class mix
     q_i ~ Dir(alpha·1_C), and each class's shuffled indices are cut among the peers in
     proportion to q_ik / Σ_j q_jk, so peer sizes come out unequal. Redraw everything until
-    each peer has >= ``min_size`` samples, at most ``max_tries`` times."""
+    each peer has >= ``min_size`` samples, at most ``max_tries`` times.
+
+    Args:
+        alpha: the Dirichlet concentration of each peer's class mix (> 0; smaller is more skewed).
+        min_size: redraw until every peer has at least this many samples...
+        max_tries: ...at most this many times, then a clear error.
+    """
     _check_skew(labels, num_peers, alpha, min_size, max_tries)
     classes = np.unique(labels)
 
@@ -173,7 +184,12 @@ def shards(
 ) -> list[np.ndarray]:
     """Each peer holds ``classes_per_peer`` classes, taken round-robin from a shuffled class
     order, so every class is used (peers x classes_per_peer must reach the number of
-    classes); each class's samples are split evenly among the peers holding it."""
+    classes); each class's samples are split evenly among the peers holding it.
+
+    Args:
+        classes_per_peer: how many classes every peer holds, each class split evenly among its
+            holders; peers × classes_per_peer must cover every class.
+    """
     _check_peers(labels, num_peers)
     classes = np.unique(labels)
     if not 1 <= classes_per_peer <= len(classes):
@@ -228,7 +244,13 @@ def domain(
 ) -> list[np.ndarray]:
     """Domain shift: disjoint IID samples per peer (``samples_per_peer`` each, default
     n // num_peers); peer i's data is rotated by ``angles[i % len(angles)]`` degrees, which
-    the caller applies using :func:`rotations`."""
+    the caller applies using :func:`rotations`.
+
+    Args:
+        angles: peer i's images are rotated by ``angles[i % len(angles)]`` degrees (exact ``rot90``
+            for multiples of 90).
+        samples_per_peer: disjoint IID samples per peer (null: n // N).
+    """
     _check_peers(labels, num_peers)
     if not angles:
         raise ConfigError("angles", "must list at least one angle")

@@ -188,6 +188,10 @@ def mlp(
 
     FedELMY's CPU-scale MLP is 784-200-10; MA-Echo uses ``hidden: [400, 200, 100]`` with
     ``bias: false``. An empty ``hidden`` list gives logistic regression.
+
+    Args:
+        hidden: the hidden layers' widths, input side first (``[]``: logistic regression).
+        bias: false makes every linear layer bias-free (MA-Echo's MLP).
     """
     for size in hidden:
         if size <= 0:
@@ -253,6 +257,11 @@ def lenet(
     (28×28, fc 256→120, 44,190 parameters) and FedELMY's ``SimpleCNN`` (32×32, fc 400→120);
     smaller inputs (8×8 digits) get padding 2 so the convs still fit. ``bias: false`` makes
     every conv and linear layer bias-free, as in FedFisher.
+
+    Args:
+        bias: false makes every conv and linear layer bias-free (FedFisher's LeNet).
+        padding: the padding of both convolutions (null: 0 for inputs of 16 pixels a side or more,
+            else 2).
     """
     pad = _auto_padding(padding, input_shape, min_side=16, pad=2)
     net = nn.Sequential(
@@ -285,6 +294,11 @@ def cnn3(
     ``padding`` applies to all three convs. By default (null) it is 0, the paper's network
     (fc 2048 for 32×32 with w = 128, 1152 for 28×28), for inputs of 18 pixels a side or
     more, and 1 for smaller ones (8×8 digits: fc w·2·2) so the convs still fit.
+
+    Args:
+        width: w, the channels of each of the three convolutions.
+        padding: the padding of the three convolutions (null: 0 for inputs of 18 pixels a side or
+            more, else 1).
     """
     _check_positive("width", width)
     pad = _auto_padding(padding, input_shape, min_side=18, pad=1)
@@ -334,6 +348,10 @@ def resnet18(
     ``norm`` picks BatchNorm, GroupNorm (2 groups) or none (``nn.Identity``; FedFisher's
     ResNet has no BN). Position encodings (``pans``) go on each block's norm outputs:
     after BN1 and BN2 and after a projection shortcut's BN, none on the stem.
+
+    Args:
+        norm: the normalisation layers: ``bn`` (BatchNorm), ``group`` (GroupNorm, 2 groups) or
+            ``none``.
     """
     # Imported here: torchvision doubles the import time and only ResNets need it.
     from torchvision.models import resnet18 as tv_resnet18

@@ -28,6 +28,12 @@ class Pans:
     1 + A·sin(2πTj/J) multiplied into (``mul``) its pre-activation. T counts sine cycles
     across the layer. The values are fixed and identical on every peer, so they tie each
     unit to its index without being trained or sent. ``off`` (or A = 0) is a plain network.
+
+    Args:
+        mode: ``off`` (a plain network), ``add`` (e_j added to the pre-activation) or ``mul`` (1 +
+            e_j multiplied into it).
+        T: T, the number of sine cycles across a layer's units.
+        A: A, the encodings' amplitude (>= 0; < 1 with ``mul``; 0 is a plain network).
     """
 
     mode: Literal["off", "add", "mul"] = "off"

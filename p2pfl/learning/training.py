@@ -52,6 +52,18 @@ class TrainConfig:
     ``optimizer: sam`` is sharpness-aware minimisation (Foret et al., 2021; DFedSAM's local
     optimiser) over SGD with ``momentum`` and ``weight_decay``: each step takes the gradient
     at w + rho·g/‖g‖ and applies it at w.
+
+    Args:
+        epochs: local epochs per training (>= 1).
+        batch_size: samples per SGD step.
+        optimizer: ``sgd``, ``adam`` or ``sam`` (sharpness-aware SGD); a fresh optimizer for every
+            local training.
+        lr: the learning rate (> 0).
+        momentum: SGD's heavy-ball momentum, in [0, 1).
+        weight_decay: L2-coupled weight decay (Adam's ``weight_decay``, not AdamW).
+        rho: ``sam``: the ascent radius ρ.
+        select: the model a training returns: its ``last`` epoch's, or ``best_val``: the epoch with
+            the strictly best validation accuracy (ties keep the earlier).
     """
 
     epochs: int = 1

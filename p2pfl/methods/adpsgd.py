@@ -83,7 +83,12 @@ class Model:
 @METHODS.register("adpsgd")
 @dataclass(kw_only=True, eq=False)
 class ADPSGD(Rounds):
-    """Asynchronous pairwise averaging between active and passive peers, with stale updates."""
+    """Asynchronous pairwise averaging between active and passive peers, with stale updates.
+
+    Args:
+        reply_timeout_s: how long an active peer waits for its partner's reply, and a passive peer
+            for a request.
+    """
 
     serverless = True
 

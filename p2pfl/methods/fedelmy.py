@@ -186,7 +186,24 @@ def pool_distances(pool: list[State], module: nn.Module, data: PeerData, device:
 @METHODS.register("fedelmy")
 @dataclass(kw_only=True, eq=False)
 class FedELMY(FedSeq):
-    """FedSeq's chain, where each peer trains a diverse pool and forwards its mean."""
+    """FedSeq's chain, where each peer trains a diverse pool and forwards its mean.
+
+    Args:
+        pool_size: S, models trained per peer; the pool ends with S + 1 (0: forward the received
+            model).
+        alpha: α, the weight of −d1 (diversity from the pool's models); α > β makes the loss
+            unbounded below (a warning is printed).
+        beta: β, the weight of +d2 (proximity to the received model m0).
+        warmup_epochs: E_w, the first peer's plain cross-entropy warm-up epochs (0: none).
+        variant: ``sequential`` (the paper's Algs. 1-2, on a ring) or ``parallel`` (Alg. 3, a
+            complete mesh, one round).
+        dist: the diversity measure of d1 and d2: ``l2sq`` (the official code's), ``l2``, ``l1`` or
+            ``cosine``.
+        scale_key: the log-scale normalisation: ``d2`` (one factor for both terms, as the code),
+            ``separate`` (one per term) or ``none``.
+        send: what a peer forwards: ``mean`` of its pool (the method) or its ``last`` model.
+        anchor_start: include the frozen start of model j among d1's anchors (the official code).
+    """
 
     pool_size: int = 3
     alpha: float = 1.0

@@ -185,7 +185,18 @@ def fedfisher(
 @METHODS.register("fedfisher")
 @dataclass(kw_only=True, eq=False)
 class FedFisher(OneShot):
-    """One-shot Fisher-weighted aggregation, diagonal or K-FAC."""
+    """One-shot Fisher-weighted aggregation, diagonal or K-FAC.
+
+    Args:
+        fisher: the Fisher approximation: ``diag`` or ``kfac``.
+        steps: T, the server's optimisation steps.
+        lr: η, the server's step size (``gd`` ignores it: η = 1/λ_max).
+        server_opt: the server's optimiser: ``ref_adam`` (the authors' Diag routine),
+            ``ref_adam_root`` (ε inside the root, their K-FAC routine), ``torch_adam`` or ``gd``.
+        betas: the momentum and second-moment decays of the Adam variants.
+        eps: ε added to √v (to v under ``ref_adam_root``; Adam's ε under ``torch_adam``).
+        val_every: keep a candidate every this many steps (with ``select: val``).
+    """
 
     fisher: Literal["diag", "kfac"] = "kfac"
     steps: int = 2000

@@ -17,7 +17,11 @@ from p2pfl.methods.fedavg import FedAvg
 @METHODS.register("fedprox")
 @dataclass(kw_only=True, eq=False)
 class FedProx(FedAvg):
-    """FedAvg with a proximal term on the local loss."""
+    """FedAvg with a proximal term on the local loss.
+
+    Args:
+        mu: μ, the weight of the proximal term (μ/2)·‖w − w_global‖² on the local loss (0: FedAvg).
+    """
 
     mu: float = 0.01
 

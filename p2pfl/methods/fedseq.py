@@ -44,7 +44,16 @@ from p2pfl.network.topology import Topology
 @METHODS.register("fedseq")
 @dataclass(kw_only=True, eq=False)
 class FedSeq(Method):
-    """Sequential training along a chain of peers (one or more cycles)."""
+    """Sequential training along a chain of peers (one or more cycles).
+
+    Args:
+        cycles: T, how many times the model goes round the chain.
+        order: the chain's order: ``index`` (peer order) or ``random`` (a seeded permutation).
+        skip_offline: pass the model to the next chain peer believed online and linked, passing over
+            the others (their turns are lost).
+        retry_s: with ``skip_offline``: when no next peer is reachable, check again every this many
+            seconds, at most 10 times, then end the chain.
+    """
 
     serverless = True
 

@@ -45,7 +45,12 @@ from p2pfl.network.plan import Plan, Transfer
 @METHODS.register("gossip")
 @dataclass(kw_only=True, eq=False)
 class Gossip(Rounds):
-    """Every Δ seconds: merge and train what arrived, push the model to a random neighbour."""
+    """Every Δ seconds: merge and train what arrived, push the model to a random neighbour.
+
+    Args:
+        period_s: Δ, the seconds between a peer's merge-train-push steps.
+        train_idle: also train in a period in which nothing arrived.
+    """
 
     serverless = True
 

@@ -350,7 +350,25 @@ def aggregate(
 @METHODS.register("maecho")
 @dataclass(kw_only=True, eq=False)
 class MAEcho(UploadOnce):
-    """One-shot aggregation with null-space projection matrices (star or full mesh)."""
+    """One-shot aggregation with null-space projection matrices (star or full mesh).
+
+    Args:
+        tau: τ, the aggregation iterations.
+        eta: η, the step of both updates (without the factor 2 of the paper's w-step).
+        norm: normalise each row of the V-step's update to unit length (the code does for CNNs).
+        damping: s, the damping of the projector recursion (1: the exact closed form).
+        ridge: z, the ridge of the projectors of Linear layers.
+        ridge_conv: z, the ridge of the projectors of Conv2d layers.
+        batch_size: the mini-batch whose mean is one row of the recursion (independent of
+            ``train.batch_size``).
+        output: ``W`` (the paper) or ``mean_V`` (the official code: the mean of the V_i).
+        qp: weight the peers by the paper's dual QP each iteration and layer (CVXOPT) instead of
+            uniformly.
+        qp_c: C, the QP's box, in (0, 1]; below 1/N it is raised to 1/N.
+        rank: k: send the top-k eigenpairs of each projector instead of the full matrix (null:
+            full).
+        ensemble: also score the output ensembles on the test set (N extra forward passes).
+    """
 
     tau: int = 60
     eta: float = 1.6

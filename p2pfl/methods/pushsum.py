@@ -79,7 +79,14 @@ def weight_meta(w: float) -> dict[str, str]:
 @METHODS.register("pushsum")
 @dataclass(kw_only=True, eq=False)
 class PushSum(Rounds):
-    """SGP: local training on x/w, then push-sum mixing along the round's out-edges."""
+    """SGP: local training on x/w, then push-sum mixing along the round's out-edges.
+
+    Args:
+        wait_s: wait at most this long for the round's shares; a later share is added at the next
+            round's receive (null: wait for all).
+        robust: send running sums of the shares (Hadjicostis et al. 2016), so the next message that
+            gets through on a link brings what was lost on it.
+    """
 
     serverless = True
     unattackable = (

@@ -46,7 +46,12 @@ def regmean(uploads: list[Upload], offdiag: float) -> State:
 @METHODS.register("regmean")
 @dataclass(kw_only=True, eq=False)
 class RegMean(OneShot):
-    """Per-layer closed-form regression merge from the peers' input Grams, in one shot."""
+    """Per-layer closed-form regression merge from the peers' input Grams, in one shot.
+
+    Args:
+        offdiag: the off-diagonal scales of the Gram matrices tried; the peers' validation picks one
+            (with ``select: val``).
+    """
 
     needs = ("gram",)
 

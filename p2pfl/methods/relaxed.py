@@ -26,7 +26,14 @@ from p2pfl.methods.effects import Effect, State, Train
 
 @dataclass(frozen=True)
 class RelaxedInit:
-    """The ``algorithm.relaxed_init`` key: ``{beta: 0.1, aggregate: model|delta}``."""
+    """The ``algorithm.relaxed_init`` key: ``{beta: 0.1, aggregate: model|delta}``.
+
+    Args:
+        beta: β >= 0: a peer starts local training from w + β(w − its last local model) (0: the host
+            method bit for bit).
+        aggregate: what a peer sends: ``model`` (the end of its training) or ``delta`` (w + (end −
+            start)).
+    """
 
     beta: float = 0.1
     aggregate: Literal["model", "delta"] = "model"

@@ -179,7 +179,11 @@ def _index_dtype(numel: int) -> torch.dtype:
 @CODECS.register("topk")
 @dataclass(frozen=True)
 class TopK(Codec):
-    """The ``k`` entries of largest magnitude and their flat indices (schema field ``k``)."""
+    """The ``k`` entries of largest magnitude and their flat indices (schema field ``k``).
+
+    Args:
+        fraction: the share of each tensor's entries sent (the largest in magnitude), in (0, 1].
+    """
 
     fraction: float = 0.01  # share of entries kept
 

@@ -65,7 +65,14 @@ one line (sessions far too short for its length), not with a ``MemoryError``."""
 class Distribution:
     """A positive random duration given by its mean: ``exponential`` (memoryless),
     ``weibull`` (``shape`` k; k < 1 is the heavy tail of measured P2P sessions),
-    ``lognormal`` (``sigma``), ``uniform`` (on [0, 2·mean]) or ``constant``."""
+    ``lognormal`` (``sigma``), ``uniform`` (on [0, 2·mean]) or ``constant``.
+
+    Args:
+        dist: the law: ``exponential``, ``weibull``, ``lognormal``, ``uniform`` or ``constant``.
+        mean_s: the mean duration in seconds.
+        shape: ``weibull``: the shape k (k < 1: a heavy tail).
+        sigma: ``lognormal``: σ of the underlying normal.
+    """
 
     dist: Literal["exponential", "weibull", "lognormal", "uniform", "constant"] = "exponential"
     mean_s: float = 60.0
@@ -129,7 +136,18 @@ def _distribution(options: Any, key: str) -> Distribution:
 
 @dataclass(frozen=True)
 class Churn:
-    """The ``network.churn`` keys (see the module docstring)."""
+    """The ``network.churn`` keys (see the module docstring).
+
+    Args:
+        online: online-session lengths, a distribution ``{dist, mean_s, ...}`` (null: exponential,
+            mean 60 s).
+        offline: offline-session lengths, the same keys.
+        offline_fraction: instead of ``offline.mean_s``: the share of time offline, in [0, 1) (0: no
+            churn).
+        peers: which peers churn (null: every peer; a server never does).
+        trace: instead of drawn sessions: a CSV file of ``time,peer,state`` rows (``up`` or
+            ``down``), found like ``topology.file``.
+    """
 
     online: dict | None = None
     offline: dict | None = None
@@ -164,7 +182,13 @@ class Churn:
 
 @dataclass(frozen=True)
 class Crashes:
-    """The ``network.crashes`` keys: ``at`` (peer -> time) and a seeded ``fraction``."""
+    """The ``network.crashes`` keys: ``at`` (peer -> time) and a seeded ``fraction``.
+
+    Args:
+        at: ``{peer: time}``: peers that stop at that time and never return.
+        fraction: a seeded fraction of the peers also crashes...
+        between_s: ...at seeded uniform times in this window.
+    """
 
     at: dict[int, float] | None = None
     fraction: float = 0.0
@@ -184,7 +208,14 @@ class Crashes:
 
 @dataclass(frozen=True)
 class Partition:
-    """Peers in different ``groups`` cannot reach each other from ``from_s`` to ``to_s``."""
+    """Peers in different ``groups`` cannot reach each other from ``from_s`` to ``to_s``.
+
+    Args:
+        groups: lists of peers; peers in different groups cannot reach each other (a peer in no
+            group reaches everyone).
+        from_s: when the partition starts, in seconds.
+        to_s: when it ends (the interval is [from_s, to_s)).
+    """
 
     groups: list[list[int]]
     from_s: float = 0.0
@@ -203,7 +234,15 @@ class Partition:
 
 @dataclass(frozen=True)
 class LinkFaults:
-    """The ``network.links`` keys: loss, per-link loss, latency jitter, partitions."""
+    """The ``network.links`` keys: loss, per-link loss, latency jitter, partitions.
+
+    Args:
+        loss: the probability that a message is lost on its link.
+        per_link: ``[{between: [u, v], loss: p}]``: a link's own loss probability.
+        jitter: extra latency per message, a distribution as in ``churn.online``.
+        partitions: ``[{groups, from_s, to_s}]``: network partitions (see
+            ``network.links.partitions[]``).
+    """
 
     loss: float = 0.0
     per_link: list[dict] | None = None
@@ -241,7 +280,14 @@ class LinkFaults:
 @dataclass(frozen=True)
 class GraphChanges:
     """The ``network.graph`` keys: a generator redrawn ``every`` round or N seconds
-    (``kind`` and its keys, as in ``topology:``), or a ``schedule`` of graphs from times."""
+    (``kind`` and its keys, as in ``topology:``), or a ``schedule`` of graphs from times.
+
+    Args:
+        every: redraw the graph every ``round`` or every N simulated seconds; the graph's ``kind``
+            and its keys sit beside it, e.g. ``{every: round, kind: s_out, s: 3}``.
+        schedule: instead: fixed graphs from given times, ``[{at_s: 0, kind: ring}, {at_s: 60, kind:
+            mesh}]``.
+    """
 
     every: Literal["round"] | float | None = None
     schedule: list[dict] | None = None
@@ -276,7 +322,14 @@ class GraphChanges:
 
 @dataclass(frozen=True)
 class NetworkConfig:
-    """The whole ``network:`` section."""
+    """The whole ``network:`` section.
+
+    Args:
+        churn: peers that come and go (see ``network.churn``).
+        crashes: peers that stop for good (see ``network.crashes``).
+        links: lossy links, jitter and partitions (see ``network.links``).
+        graph: a graph that changes during the run (see ``network.graph``).
+    """
 
     churn: dict | None = None
     crashes: dict | None = None

@@ -289,7 +289,11 @@ is as it was before they existed."""
 def resolve_peers(options: dict[str, Any], file: Path) -> dict[str, Any]:
     """Check a ``peers:`` mapping's keys against :func:`build_population` and fill its
     defaults; a ``devices`` file is found like ``topology.file`` and made absolute (the
-    resolved config runs from anywhere)."""
+    resolved config runs from anywhere).
+
+    - ``profile``: a peer profile file (``peers/*.yaml``: ``uniform``, ``heterogeneous``,
+      ``gpu``, ``phones``) whose keys the inline keys override; found like ``topology.file``.
+    """
     name = options.get("devices")
     if isinstance(name, str):
         path = find_file(name, file)

@@ -136,7 +136,11 @@ def _connected(make, n: int, seed: int, what: str) -> nx.Graph:
 
 @GRAPHS.register("erdos_renyi")
 def erdos_renyi(n: int, seed: int, *, p: float = 0.3) -> nx.Graph:
-    """G(n, p): each pair linked with probability p (redrawn until connected)."""
+    """G(n, p): each pair linked with probability p (redrawn until connected).
+
+    Args:
+        p: the probability that a pair of peers is linked.
+    """
     if not 0 < p <= 1:
         raise ConfigError("p", "must be in (0, 1]")
     return _connected(lambda s: nx.erdos_renyi_graph(n, p, seed=s), n, seed, "p")
@@ -144,7 +148,12 @@ def erdos_renyi(n: int, seed: int, *, p: float = 0.3) -> nx.Graph:
 
 @GRAPHS.register("watts_strogatz")
 def watts_strogatz(n: int, seed: int, *, k: int = 4, p: float = 0.1) -> nx.Graph:
-    """Small world: a ring lattice with k neighbours, each edge rewired with probability p."""
+    """Small world: a ring lattice with k neighbours, each edge rewired with probability p.
+
+    Args:
+        k: each peer's neighbours in the ring lattice before rewiring.
+        p: the probability that an edge is rewired.
+    """
     if not 2 <= k < n:
         raise ConfigError("k", f"must be in [2, {n - 1}] for {n} peers")
     if not 0 <= p <= 1:
@@ -154,7 +163,11 @@ def watts_strogatz(n: int, seed: int, *, k: int = 4, p: float = 0.1) -> nx.Graph
 
 @GRAPHS.register("random_regular")
 def random_regular(n: int, seed: int, *, d: int = 3) -> nx.Graph:
-    """Every peer has exactly d neighbours, drawn at random (redrawn until connected)."""
+    """Every peer has exactly d neighbours, drawn at random (redrawn until connected).
+
+    Args:
+        d: every peer's number of neighbours.
+    """
     if not 1 <= d < n or (n * d) % 2:
         raise ConfigError("d", f"must be in [1, {n - 1}] with N·d even ({n} peers)")
     return _connected(lambda s: nx.random_regular_graph(d, n, seed=s), n, seed, "d")
@@ -163,7 +176,11 @@ def random_regular(n: int, seed: int, *, d: int = 3) -> nx.Graph:
 @GRAPHS.register("s_out")
 def s_out(n: int, seed: int, *, s: int = 3) -> nx.DiGraph:
     """Directed: each peer sends to s peers drawn at random (Epidemic Learning's EL-Local,
-    de Vos et al. 2023, §3); for graphs redrawn during a run (``network.graph``)."""
+    de Vos et al. 2023, §3); for graphs redrawn during a run (``network.graph``).
+
+    Args:
+        s: how many random peers each peer sends to.
+    """
     if not 1 <= s < n:
         raise ConfigError("s", f"must be in [1, {n - 1}] for {n} peers")
     rng = np.random.default_rng(seed)
@@ -177,7 +194,11 @@ def s_out(n: int, seed: int, *, s: int = 3) -> nx.DiGraph:
 
 @GRAPHS.register("edges")
 def edges(n: int, seed: int, *, edges: list[list[int]]) -> nx.Graph:
-    """An explicit edge list ``[[0, 1], [1, 2], ...]`` over peers 0..N-1."""
+    """An explicit edge list ``[[0, 1], [1, 2], ...]`` over peers 0..N-1.
+
+    Args:
+        edges: the edge list, pairs of peer indices.
+    """
     g = nx.Graph()
     g.add_nodes_from(range(n))
     for e in edges:
@@ -201,7 +222,12 @@ def graph_file(
     """A graph read from a standard file with networkx' readers (edge list, GraphML, GML; by
     the file's suffix with ``auto``), e.g. a measured P2P overlay. It must have exactly N
     nodes; they become peers 0..N-1 in the order of their labels (numbers numerically).
-    Directions, parallel edges and self-loops are dropped."""
+    Directions, parallel edges and self-loops are dropped.
+
+    Args:
+        path: the graph file, found like ``topology.file``.
+        format: ``edgelist``, ``graphml`` or ``gml``; ``auto`` tells it by the file's suffix.
+    """
     suffix = Path(path).suffix.lower().lstrip(".")
     fmt = (
         format if format != "auto" else {"txt": "edgelist", "edges": "edgelist"}.get(suffix, suffix)
@@ -228,7 +254,15 @@ def graph_file(
 def _shared_keys(
     *, link: dict[str, Any] | None = None, links: list[dict[str, Any]] | None = None
 ) -> None:
-    """The keys every topology kind takes besides its graph's own (see :func:`build_topology`)."""
+    """The keys every topology kind takes besides its graph's own (see :func:`build_topology`).
+
+    Args:
+        file: a topology file (``topologies/*.yaml``) whose keys this section's inline keys
+            override; found from the current directory, then next to the experiment file, then one
+            directory above.
+        link: ``{latency_s, bandwidth_bps}`` for every edge (null: the peer profile's ``link``).
+        links: per-edge overrides, ``[{between: [0, server], bandwidth_bps: 1e6}]``.
+    """
 
 
 def parse_topology(

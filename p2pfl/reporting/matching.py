@@ -34,7 +34,13 @@ from p2pfl.learning.training import TrainConfig, Trainer
 
 @dataclass(frozen=True)
 class MatchingConfig:
-    """The ``eval.matching`` key: local trainings of the output model and held-out samples."""
+    """The ``eval.matching`` key: local trainings of the output model and held-out samples.
+
+    Args:
+        peers: how many seeded peers train the output model.
+        epochs: how many epochs each of them trains it.
+        samples: how many test images the hidden units are matched on.
+    """
 
     peers: int = 2
     epochs: int = 20

@@ -31,7 +31,18 @@ class EvalConfig:
     """The ``eval:`` section: how often the global test set is scored, the optional
     neuron-matching measure after the run (:mod:`p2pfl.reporting.matching`), where the
     rows go besides ``metrics.csv`` (:mod:`p2pfl.reporting.reporters`), and the accuracies
-    whose time to reach ``summary.json`` reports (``targets``: :mod:`p2pfl.reporting.progress`)."""
+    whose time to reach ``summary.json`` reports (``targets``: :mod:`p2pfl.reporting.progress`).
+
+    Args:
+        every: score on the global test set every this many rounds (and always the last).
+        per_peer: at the end, score every peer's final model (``summary.json`` ``per_peer``).
+        matching: neuron matching after the run, ``{peers, epochs, samples}`` (see
+            ``eval.matching``); null: none.
+        reporters: where the ``metrics.csv`` rows also go, e.g. ``[tensorboard]`` (see
+            ``eval.reporters``).
+        targets: accuracies in (0, 1] whose time to accuracy ``summary.json`` reports
+            (``time_to_accuracy``: the simulated time, bytes and round when first reached).
+    """
 
     every: int = 1
     per_peer: bool = True
@@ -62,7 +73,15 @@ class StopConfig:
     ``accuracy`` (scored every ``eval.every_s``), whichever comes first. The method's rounds
     still bound the run; left unset, they are unbounded (:data:`UNBOUNDED_ROUNDS`). Each
     node's model at the stop is the one it last evaluated (its last finished round or
-    iteration)."""
+    iteration).
+
+    Args:
+        time_s: stop at this time on the run's clock: simulated seconds, or over ZeroMQ wall seconds
+            since the common start.
+        samples: stop when the peers together have trained on this many samples.
+        accuracy: stop at the first ``eval.every_s`` score of the run's model at or above it
+            (simulation only; needs ``eval.every_s``).
+    """
 
     time_s: float | None = None
     samples: int | None = None
@@ -85,7 +104,18 @@ MAX_TIMEOUT_S = 1e6
 
 @dataclass(frozen=True)
 class TransportConfig:
-    """The ``transport:`` section: how real (ZeroMQ) runs behave; ignored in simulation."""
+    """The ``transport:`` section: how real (ZeroMQ) runs behave; ignored in simulation.
+
+    Args:
+        timeout_s: the longest any receive waits in a real run (at most 10⁶ s); it must cover the
+            sender's compute before it sends.
+        startup_timeout_s: every node must have started and said hello within this.
+        max_message_bytes: larger frames are refused, and frames whose tensors would decode to more
+            bytes.
+        host: the interface the launcher's nodes bind on.
+        curve_keys: a directory of CURVE key pairs (made by ``p2pfl keys``): every link is encrypted
+            and authenticated (null: no encryption; trust the network).
+    """
 
     timeout_s: float = 60.0
     startup_timeout_s: float = 120.0

@@ -31,7 +31,12 @@ def z_max(n: int, m: int) -> float:
 @ATTACKS.register("alie")
 @dataclass(kw_only=True, frozen=True)
 class ALittleIsEnough(Attack):
-    """Send μ − z·σ of the honest models it knows."""
+    """Send μ − z·σ of the honest models it knows.
+
+    Args:
+        z: how many standard deviations below the mean (null: the paper's z_max for the numbers of
+            peers and attackers).
+    """
 
     z: float | None = None
 

@@ -132,7 +132,16 @@ def resolve_adversary(options: dict[str, Any]) -> dict[str, Any]:
 def _section(
     attack: str | dict, fraction: float | None = None, peers: list[int] | None = None
 ) -> None:
-    """The keys of the ``adversary:`` section (a signature for :func:`bind`)."""
+    """The keys of the ``adversary:`` section (a signature for :func:`bind`).
+
+    Args:
+        attack: a registered attack by name, or a mapping with ``name`` and its keys (see the
+            attacks below).
+        fraction: a seeded share of the data-holding peers attacks (rounded half up), in [0, 1); one
+            that rounds up to every peer is refused.
+        peers: or: these peers attack (give one of ``fraction`` and ``peers``); at least one
+            data-holding peer must stay honest.
+    """
 
 
 def build_adversary(options: dict[str, Any], topology: Topology, seed: int) -> Adversary | None:

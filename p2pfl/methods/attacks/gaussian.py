@@ -16,7 +16,11 @@ from p2pfl.methods.attacks.base import ATTACKS, Attack, View
 @ATTACKS.register("gaussian")
 @dataclass(kw_only=True, frozen=True)
 class Gaussian(Attack):
-    """Send honest + N(0, std²)."""
+    """Send honest + N(0, std²).
+
+    Args:
+        std: the noise's standard deviation.
+    """
 
     std: float = 1.0
 

@@ -19,7 +19,11 @@ from p2pfl.methods.attacks.base import ATTACKS, Attack, View, applied, honest_me
 @ATTACKS.register("ipm")
 @dataclass(kw_only=True, frozen=True)
 class InnerProductManipulation(Attack):
-    """Send start − ε·(mean of the known honest models − start)."""
+    """Send start − ε·(mean of the known honest models − start).
+
+    Args:
+        epsilon: ε, how far against the honest update it sends.
+    """
 
     epsilon: float = 0.1
 

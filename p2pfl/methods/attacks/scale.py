@@ -12,7 +12,11 @@ from p2pfl.methods.attacks.base import ATTACKS, Attack, View, applied, update
 @ATTACKS.register("scale")
 @dataclass(kw_only=True, frozen=True)
 class Scale(Attack):
-    """Send start + factor·Δ."""
+    """Send start + factor·Δ.
+
+    Args:
+        factor: the factor its own update Δ is multiplied by.
+    """
 
     factor: float = 10.0
 

@@ -14,7 +14,11 @@ from p2pfl.methods.attacks.base import ATTACKS, Attack, View, applied, update
 @ATTACKS.register("sign_flip")
 @dataclass(kw_only=True, frozen=True)
 class SignFlip(Attack):
-    """Send start − scale·Δ."""
+    """Send start − scale·Δ.
+
+    Args:
+        scale: the factor of the reversed update: it sends start − scale·Δ.
+    """
 
     scale: float = 1.0
 

@@ -26,7 +26,14 @@ from p2pfl.network.topology import Topology
 
 @dataclass(kw_only=True, eq=False)
 class UploadOnce(Method):
-    """A one-shot method: ``peer`` runs on every peer, ``centre`` on a star's centre."""
+    """A one-shot method: ``peer`` runs on every peer, ``centre`` on a star's centre.
+
+    Args:
+        placement: ``star``: the centre aggregates and returns the model; ``mesh``: every peer sends
+            to every other and aggregates for itself (a complete graph).
+        deadline_s: the aggregator merges the complete uploads that arrived by this time from the
+            start of the run (null: wait for every peer).
+    """
 
     placement: Literal["star", "mesh"] = "star"
     deadline_s: float | None = None

@@ -84,7 +84,16 @@ def fedavg(uploads: list[Upload]) -> State:
 
 @dataclass(kw_only=True, eq=False)
 class OneShot(UploadOnce):
-    """One-shot FedAvg; the base of the one-shot merges (see the module docstring)."""
+    """One-shot FedAvg; the base of the one-shot merges (see the module docstring).
+
+    Args:
+        compress: 16-bit models and diagonal Fishers; 9-bit low-rank K-FAC factors and Grams.
+        triangle: send only the upper triangle of raw K-FAC factors and Grams.
+        select: the output among the candidates: ``val`` (best pooled peer-validation accuracy) or
+            ``final`` (the last).
+        baselines: merges of the same uploads reported in ``summary.json`` ``baselines`` (their
+            statistics are uploaded and counted too).
+    """
 
     name: ClassVar[str] = "fedavg"
     #: statistics the merge needs from every peer
