@@ -335,8 +335,11 @@ def yaml_tables() -> list[Table]:
     tables.append(section("algorithm", _doc(config, "algorithm")))
     tables += _registry_tables("algorithm", METHODS, 0)
     tables.append(common("`algorithm.relaxed_init`", "algorithm.relaxed_init", RelaxedInit))
-    aggregators = _registry_tables("algorithm.aggregator", AGGREGATORS, 0)
-    tables += aggregators
+    tables += _registry_tables("algorithm.aggregator", AGGREGATORS, 0)
+    cost_only = _registry_tables("algorithm", COST_ONLY, 0)
+    for t in cost_only:
+        t.title += " (`p2pfl cost` only)"
+    tables += cost_only
     for name, fn, text in (
         ("train", TrainConfig, ""),
         ("eval", EvalConfig, ""),
@@ -348,6 +351,16 @@ def yaml_tables() -> list[Table]:
         tables.append(t)
         if name == "eval":
             tables.append(common("`eval.matching`", "eval.matching", MatchingConfig))
+            tables.append(
+                Table(
+                    "`eval.reporters`",
+                    "eval.reporters",
+                    "Where the rows of `metrics.csv` also go: a list of these names.",
+                    [Key(r, "name", "—", summary(cls)) for r, cls in REPORTERS],
+                    3,
+                    "p2pfl.reporting.reporters.REPORTERS",
+                )
+            )
     tables.append(section("compression", _doc(config, "compression")))
     kinds = Table(
         "Message kinds",
@@ -375,21 +388,7 @@ def yaml_tables() -> list[Table]:
     adversary.level, adversary.summary = 2, _doc(config, "adversary")
     tables.append(adversary)
     tables += _registry_tables("adversary.attack", ATTACKS, 0)
-    tables.append(
-        Table(
-            "`eval.reporters`",
-            "eval.reporters",
-            "Where the rows of `metrics.csv` also go: a list of these names.",
-            [Key(name, "name", "—", summary(cls)) for name, cls in REPORTERS],
-            3,
-            "p2pfl.reporting.reporters.REPORTERS",
-        )
-    )
     tables.append(section("sweep", summary(sweep_module) + " " + _doc(config, "sweep")))
-    cost_only = _registry_tables("algorithm", COST_ONLY, 0)
-    for t in cost_only:
-        t.title += " (`p2pfl cost` only)"
-    tables += cost_only
     return tables
 
 
@@ -441,7 +440,7 @@ def yaml_reference() -> str:
     for t in yaml_tables():
         out += ["#" * t.level + " " + t.title, ""]
         if t.summary:
-            out += [markdown(t.summary), ""]
+            out += [markdown(t.summary[:1].upper() + t.summary[1:]), ""]
         if t.keys:
             out += ["| key | type | default | meaning |", "|---|---|---|---|"]
             out += [
