@@ -68,6 +68,8 @@ from p2pfl.reporting.plots import (
 )
 
 DEFAULT_NAME = "report.html"
+CELLS_OPEN_MAX = 40
+"""A sweep's table of cells is shown unfolded up to this many cells."""
 TIMELINE_MAX_PEERS = 100
 """Beyond this many peers a run's per-peer online intervals are not drawn (the count online,
 ``availability``, still is)."""
@@ -413,10 +415,12 @@ def cells_html(path: Path) -> str:
     table = [[_read_number(r.get(h) or "") for h in header] for r in rows]
     bad = ["" if r.get("status") in ("ok", "done") else "bad" for r in rows]
     title = f"<h3>Sweep {html.escape(path.resolve().name)}: its cells</h3>"
+    shown = " open" if len(rows) <= CELLS_OPEN_MAX else ""
+    ran = sum(not b for b in bad)
     return (
         title
-        + note(f"{path / 'cells.csv'}: every cell of the grid.")
-        + table_html(header, table, bad)
+        + note(f"{path / 'cells.csv'}: every cell of the grid ({ran} of {len(rows)} ran).")
+        + f"<details{shown}><summary>cells.csv</summary>{table_html(header, table, bad)}</details>"
     )
 
 
