@@ -300,7 +300,8 @@ def test_a_failed_run_has_its_page_too(runs, tmp_path):
     failed = tmp_path / "failed"
     shutil.copytree(runs["quickstart"], failed, ignore=shutil.ignore_patterns("report.html"))
     summary = json.loads((failed / "summary.json").read_text())
-    summary |= {"status": "failed", "error": "deadlock: 3 waits for 1 model message(s)"}
+    error = "deadlock: " + "; ".join(f"{i} waits for 1 model message(s)" for i in range(40))
+    summary |= {"status": "failed", "error": error}
     (failed / "summary.json").write_text(json.dumps(summary))
     for name in ("metrics.csv", "comm.csv"):
         header = (failed / name).read_text().splitlines()[0]
@@ -308,7 +309,15 @@ def test_a_failed_run_has_its_page_too(runs, tmp_path):
     assert report(str(failed)) == 0
     text = (failed / "report.html").read_text(encoding="utf-8")
     assert text.count('<tr class="bad">') == 1
-    assert "<tr><td>error</td><td>deadlock: 3 waits for 1 model message(s)</td></tr>" in text
+    # a long error: its first 300 characters, the whole of it folded
+    assert (
+        len(error) == 1_318
+        and (
+            f"<tr><td>error</td><td>{error[:300]}…<details><summary>all 1,318 characters</summary>"
+            f"{error}</details></td></tr>"
+        )
+        in text
+    )
     assert text.count("<svg") == 4
 
 

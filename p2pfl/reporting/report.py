@@ -70,6 +70,8 @@ from p2pfl.reporting.plots import (
 DEFAULT_NAME = "report.html"
 CELLS_OPEN_MAX = 40
 """A sweep's table of cells is shown unfolded up to this many cells."""
+TEXT_SHOWN = 300
+"""A table shows this many characters of a longer text, the rest folded."""
 TIMELINE_MAX_PEERS = 100
 """Beyond this many peers a run's per-peer online intervals are not drawn (the count online,
 ``availability``, still is)."""
@@ -246,7 +248,8 @@ def _number(v: Any) -> bool:
 
 def cell(v: Any) -> str:
     """A value as a table shows it: integers with thousands separators, floats to 6
-    significant digits, ``None`` as ``null``, an already built link as it is."""
+    significant digits, ``None`` as ``null``, an already built link as it is; a text longer
+    than :data:`TEXT_SHOWN` (a deadlock's error) cut there, the whole of it folded."""
     if isinstance(v, Link):
         return v.html
     if v is None:
@@ -257,7 +260,13 @@ def cell(v: Any) -> str:
         return f"{v:,}"
     if isinstance(v, float):
         return f"{v:.6g}"
-    return html.escape(str(v))
+    text = str(v)
+    if len(text) <= TEXT_SHOWN:
+        return html.escape(text)
+    return (
+        f"{html.escape(text[:TEXT_SHOWN])}…<details><summary>all {len(text):,} characters"
+        f"</summary>{html.escape(text)}</details>"
+    )
 
 
 class Link:
@@ -361,8 +370,8 @@ def differences(named: list[tuple[str, Run]]) -> str:
 
 
 def cell_text(v: Any) -> str:
-    """A value as plain text (:func:`cell` before escaping)."""
-    return html.unescape(cell(v))
+    """A value as plain text: a number, ``null`` or a bool as :func:`cell` shows it."""
+    return str(v) if isinstance(v, str) else html.unescape(cell(v))
 
 
 def _stat(runs: list[Run], *keys: str) -> tuple[float, float]:
@@ -471,6 +480,8 @@ def direction_figure(run: Run) -> tuple[Figure, str]:
         ax = fig.axes[0]
         ax.set_xticks(range(len(nodes)), names)
         ax.set_yticks(range(len(nodes)), names)
+    else:  # no labels to fit: the size of a page's column, so that its text stays legible
+        fig.set_size_inches(8, 6.5)
     return fig, "Bytes sent from each node (row) to each node (column), every message of comm.csv."
 
 
