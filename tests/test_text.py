@@ -22,6 +22,7 @@ from p2pfl.core.errors import ConfigError
 from p2pfl.data.datasets import load_dataset
 from p2pfl.data.federated import make_federated_data
 from p2pfl.data.text import TEXT, VOCABULARY, parse_roles, shakespeare, shipped_roles
+from p2pfl.learning import batched
 from p2pfl.learning.batched import unbatchable
 from p2pfl.learning.models import build_model, forward_flops
 from p2pfl.learning.training import TrainConfig, Trainer
@@ -176,6 +177,30 @@ def test_model_sizes_flops_and_kinds():
         build_model({"name": "char_transformer", "heads": 3}, (80,), 80)
 
 
+def test_the_transformer_trains_batched_as_one_by_one():
+    """torch.func's stacked training (the CUDA path of peers.batched) gives the loop's models
+    up to float rounding; the LSTM is refused instead (test_model_sizes_flops_and_kinds)."""
+    data = load_dataset({"name": "shakespeare", "stride": 320, "min_lines": 200}, seed=0)
+    fed = make_federated_data(data, {"name": "natural"}, 4, seed=0)
+    model = {"name": "char_transformer", "d_model": 16, "layers": 1, "heads": 2}
+    trainer = Trainer(model, data.input_shape, data.num_classes, data.train_x.dtype)
+    cpu, cfg = torch.device("cpu"), TrainConfig(batch_size=8, lr=0.5, momentum=0.9)
+    start = trainer.init_state(0)
+    loop = [
+        trainer.train(start, p, cfg, torch.Generator().manual_seed(i), cpu).state
+        for i, p in enumerate(fed.peers)
+    ]
+    module = trainer.module(cpu)
+    assert batched.can_batch(module, cfg, None)
+    pool = batched.DataPool(fed.peers)
+    jobs = [batched.Job(start, i, torch.Generator().manual_seed(i), None) for i in range(4)]
+    stacked = batched.train_batched(module, pool, jobs, cfg, cpu, generic=True)
+    for result, state in zip(stacked, loop, strict=True):
+        for key, value in state.items():
+            assert torch.allclose(result.state[key], value, atol=1e-5), key
+        assert not torch.equal(state["out.weight"], start["out.weight"])
+
+
 def rows(path: Path) -> list[dict[str, str]]:
     with path.open(newline="") as f:
         return list(csv.DictReader(f))
@@ -232,6 +257,8 @@ BAD = [
         "model.name: char_lstm takes token windows",
     ),
     ({"peers": {"count": 6, "batched": True}}, "peers.batched: this model has a recurrent layer"),
+    ({"algorithm": {"name": "maecho"}}, "model.name: maecho projects the inputs"),
+    ({"algorithm": {"name": "regmean"}}, "layer 'embed' (Embedding) has parameters"),
 ]
 
 

@@ -404,7 +404,15 @@ class MAEcho(UploadOnce):
     def check_data(self, model: nn.Module, data: FederatedData) -> None:
         """Every iterated conv layer is cut into kernel-sized patches of its input map,
         without padding (:func:`feature_rows`): each kernel must fit its map, which one
-        blank sample through ``model`` measures."""
+        blank sample through ``model`` measures. Token models (``char_lstm``,
+        ``char_transformer``) are refused: their embeddings, recurrences and attention are
+        no Linear or Conv2d layers whose inputs MA-Echo could project."""
+        if not getattr(model, "input_dtype", torch.float32).is_floating_point:
+            raise ConfigError(
+                "model.name",
+                "maecho projects the inputs of Linear and Conv2d layers; a token model's "
+                "embedding, recurrent and attention layers are not such layers",
+            )
         try:
             *iterated, _ = layers(model)
         except ValueError as e:
