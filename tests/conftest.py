@@ -20,7 +20,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 import yaml  # noqa: E402
 
-from p2pfl.app.config import resolve  # noqa: E402
+from p2pfl.app.config import Resolved, resolve  # noqa: E402
 from p2pfl.app.experiment import build, run  # noqa: E402
 from p2pfl.runtime.sim import SimRuntime  # noqa: E402
 
@@ -68,7 +68,7 @@ def on_device(raw: dict[str, Any]) -> dict[str, Any]:
     return raw
 
 
-def experiment(**sections: dict[str, Any] | int | str) -> dict[str, Any]:
+def experiment(**sections: dict[str, Any] | int | str) -> Resolved:
     """A resolved digits experiment; each keyword replaces one whole section."""
     raw = on_device(copy.deepcopy(BASE) | sections)
     return resolve(raw, ROOT / "experiments" / "test.yaml")

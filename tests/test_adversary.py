@@ -399,7 +399,7 @@ def test_the_results_experiments_resolve(name):
     path = ROOT / "experiments" / f"adversary-{name}.yaml"
     raw = read_experiment(path)
     raw.pop("sweep")
-    config = resolve(raw, path)
+    config = resolve(raw, path).config
     assert config["adversary"]["attack"] == {"name": "sign_flip", "scale": 4.0}
 
 

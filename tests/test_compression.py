@@ -164,12 +164,14 @@ def test_bad_codec_entries_are_rejected():
 
 
 def test_the_compression_section_is_checked():
-    config = experiment(compression={"model": {"codec": "int8"}, "statistics": {"codec": "topk"}})
+    config = experiment(
+        compression={"model": {"codec": "int8"}, "statistics": {"codec": "topk"}}
+    ).config
     assert config["compression"] == {
         "model": {"codec": "int8"},
         "statistics": {"codec": "topk", "fraction": 0.01},
     }
-    assert experiment()["compression"] == {}
+    assert experiment().config["compression"] == {}
     bad = [
         ({"modle": {"codec": "int8"}}, "compression.modle", "unknown message kind"),
         ({"model": {"codec": "int4"}}, "compression.model.codec", "must be one of"),
@@ -204,7 +206,7 @@ class Halves(Codec):
 
 
 def test_a_registered_codec_is_named_in_the_section_with_its_own_keys():
-    config = experiment(compression={"model": {"codec": "test_halves", "factor": 0.25}})
+    config = experiment(compression={"model": {"codec": "test_halves", "factor": 0.25}}).config
     assert config["compression"] == {"model": {"codec": "test_halves", "factor": 0.25}}
     compression = from_section(config["compression"])
     t = torch.tensor([4.0, -8.0, 1.0])

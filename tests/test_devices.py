@@ -141,8 +141,7 @@ def test_the_pareto_tail_is_slow_peers_and_bounded_on_the_fast_side():
 def test_the_shipped_phone_profile_has_the_medians_it_cites():
     """peers/phones.yaml: LTE medians 13 Mbit/s down and 6 Mbit/s up (Huang et al. 2012)."""
     raw = copy.deepcopy(BASE) | {"peers": {"count": 2000, "profile": "peers/phones.yaml"}}
-    config = resolve(raw, ROOT / "experiments" / "test.yaml")
-    pop = build_population(0, **config["peers"])
+    pop = resolve(raw, ROOT / "experiments" / "test.yaml").population
     assert np.median(pop.down_bps) == pytest.approx(1.3e7, rel=0.1)
     assert np.median(pop.up_bps) == pytest.approx(6e6, rel=0.1)
     assert np.median(speeds(pop)) == pytest.approx(1.0, rel=0.1)
@@ -400,7 +399,7 @@ def test_devices_in_the_resolved_config_is_an_absolute_path_and_the_run_replays(
     exp.write_text(
         yaml.safe_dump(copy.deepcopy(BASE) | {"peers": {"count": 3, "devices": "devices.csv"}})
     )
-    config = resolve(read_experiment(exp), exp)
+    config = resolve(read_experiment(exp), exp).config
     assert config["peers"]["devices"] == str((tmp_path / "devices.csv").resolve())
     assert [k for k in config["peers"] if k not in OLD_PEER_KEYS] == ["devices"]
     pop = build_population(0, **config["peers"])

@@ -111,9 +111,11 @@ def test_a_misspelled_aggregator_is_found_when_the_config_is_resolved():
     ],
 )
 def test_the_aggregators_defaults_are_resolved(option, resolved):
-    config = experiment(algorithm={"name": "fedavg", "rounds": 2, "aggregator": option})
+    config = experiment(algorithm={"name": "fedavg", "rounds": 2, "aggregator": option}).config
     assert config["algorithm"]["aggregator"] == resolved
-    assert resolve(copy.deepcopy(config), Path("exp.yaml")) == config  # config.yaml reads back
+    assert (
+        resolve(copy.deepcopy(config), Path("exp.yaml")).config == config
+    )  # config.yaml reads back
 
 
 def test_config_yaml_holds_the_aggregators_defaults_and_the_run_is_unchanged(tmp_path):

@@ -214,9 +214,9 @@ def test_bad_pans_keys_name_themselves(pans, key):
 
 
 def test_yaml_off_is_read_as_the_off_mode():
-    config = experiment(model={"name": "mlp", "pans": {"mode": False}})
+    config = experiment(model={"name": "mlp", "pans": {"mode": False}}).config
     assert config["model"]["pans"] == {"mode": "off", "T": 1.0, "A": 0.1}
-    assert experiment()["model"]["pans"]["mode"] == "off"
+    assert experiment().config["model"]["pans"]["mode"] == "off"
 
 
 HOSTS = [

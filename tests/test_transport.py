@@ -407,7 +407,7 @@ def test_a_wait_that_times_out_names_refused_curve_handshakes(tmp_path, remade, 
 
 
 def test_every_shipped_experiment_has_a_transport_section_default():
-    assert experiment()["transport"]["timeout_s"] == 60.0
+    assert experiment().config["transport"]["timeout_s"] == 60.0
 
 
 def test_a_multi_host_run_merged_has_the_outputs_of_a_launcher_run(tmp_path, capsys):

@@ -153,9 +153,9 @@ def _setup(args: argparse.Namespace, transport: str = "sim"):
     from p2pfl.app.experiment import build
     from p2pfl.app.sweep import load_experiment
 
-    config = load_experiment(args.experiment, args.sets, args.seed, args.given)
+    experiment = load_experiment(args.experiment, args.sets, args.seed, args.given)
     try:
-        return build(config, transport)
+        return build(experiment, transport)
     except ConfigError as e:
         e.file = e.file or args.experiment
         raise

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Sequence
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -52,11 +52,11 @@ from p2pfl.learning.robust import resolve_aggregator
 from p2pfl.learning.training import TrainConfig
 from p2pfl.methods import METHODS
 from p2pfl.methods.attacks import resolve_adversary
-from p2pfl.methods.base import Aggregating
+from p2pfl.methods.base import Aggregating, Method
 from p2pfl.methods.relaxed import parse_relaxed_init
 from p2pfl.network.codecs import resolve_section as resolve_compression
 from p2pfl.network.dynamics import resolve_network
-from p2pfl.network.peers import build_population, resolve_peers
+from p2pfl.network.peers import Population, build_population, resolve_peers
 from p2pfl.network.topology import parse_topology
 from p2pfl.runtime.setup import UNBOUNDED_ROUNDS, EvalConfig, StopConfig
 from p2pfl.runtime.sockets import TransportConfig
@@ -201,8 +201,51 @@ def _section(config: dict[str, Any], key: str) -> dict[str, Any]:
     return dict(value)
 
 
-def resolve(raw: dict[str, Any], file: Path) -> dict[str, Any]:
-    """Check every key of an experiment mapping and return it with all defaults filled in."""
+@dataclass(frozen=True, eq=False)
+class Resolved:
+    """An experiment checked once (what :func:`resolve` returns): the sections that need
+    neither the data nor the graph bound to their components — the method (with its
+    aggregator), the population, the training, evaluation, transport and stop settings — and
+    ``config``, the same experiment as a mapping with every default filled in, which a run
+    writes to ``config.yaml`` (read it, never change it). ``build`` adds what needs the data
+    or the graph."""
+
+    config: dict[str, Any]
+    method: Method
+    population: Population
+    train: TrainConfig
+    eval: EvalConfig
+    transport: TransportConfig
+    stop: StopConfig | None = None
+
+    @property
+    def name(self) -> str:
+        return self.config["name"]
+
+    @property
+    def seed(self) -> int:
+        return self.config["seed"]
+
+
+def resolve(raw: dict[str, Any], file: Path) -> Resolved:
+    """Check every key of an experiment mapping, fill in every default and bind the sections
+    to their components: every check that needs neither the data nor the graph."""
+    config, bound = _checked(raw, file)
+    algorithm = {k: v for k, v in config["algorithm"].items() if k != "name"}
+    try:
+        method = METHODS.get(config["algorithm"]["name"])(**algorithm)
+    except ConfigError as e:
+        raise e.within("algorithm") from None
+    try:
+        population = build_population(config["seed"], **config["peers"])
+    except ConfigError as e:
+        raise e.within("peers") from None
+    return Resolved(config, method, population, **bound)
+
+
+def _checked(raw: dict[str, Any], file: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The experiment as a mapping with every default filled in, and the sections that are
+    dataclasses (train, eval, transport, stop) as their objects."""
     config = copy.deepcopy(DEFAULTS) | raw
     for key in config:
         if key not in SECTIONS:
@@ -230,11 +273,12 @@ def resolve(raw: dict[str, Any], file: Path) -> dict[str, Any]:
         "topology": lambda o: _topology(_include(o, "file", file, "topology"), file),
         "peers": lambda o: resolve_peers(_include(o, "profile", file, "peer profile"), file),
         "algorithm": _algorithm,
-        "train": lambda o: asdict(TrainConfig(**bind(TrainConfig, o))),
-        "eval": lambda o: asdict(EvalConfig(**bind(EvalConfig, o))),
-        "transport": lambda o: asdict(TransportConfig(**bind(TransportConfig, o))),
+        "train": lambda o: TrainConfig(**bind(TrainConfig, o)),
+        "eval": lambda o: EvalConfig(**bind(EvalConfig, o)),
+        "transport": lambda o: TransportConfig(**bind(TransportConfig, o)),
         "compression": resolve_compression,
     }
+    bound: dict[str, Any] = {}
     for key, step in steps.items():
         if key == "peers":
             config["peers"] = _natural_count(config, out, file)
@@ -242,10 +286,9 @@ def resolve(raw: dict[str, Any], file: Path) -> dict[str, Any]:
             out[key] = step(_section(config, key))
         except ConfigError as e:
             raise e.within(key) from None
-    try:
-        build_population(out["seed"], **out["peers"])
-    except ConfigError as e:
-        raise e.within("peers") from None
+        if key in ("train", "eval", "transport"):
+            bound[key] = out[key]
+            out[key] = asdict(out[key])
     if "network" in config:  # only when given: without it, config.yaml is as it always was
         try:
             out["network"] = _network(_section(config, "network"), file)
@@ -253,9 +296,10 @@ def resolve(raw: dict[str, Any], file: Path) -> dict[str, Any]:
             raise e.within("network") from None
     if "stop" in config:  # only when given, like network
         try:
-            out["stop"] = asdict(StopConfig(**bind(StopConfig, _section(config, "stop"))))
+            bound["stop"] = StopConfig(**bind(StopConfig, _section(config, "stop")))
         except ConfigError as e:
             raise e.within("stop") from None
+        out["stop"] = asdict(bound["stop"])
         if out["stop"]["accuracy"] is not None and out["eval"]["every_s"] is None:
             raise ConfigError(
                 "accuracy", "needs eval.every_s: how often the run's model is scored"
@@ -268,7 +312,7 @@ def resolve(raw: dict[str, Any], file: Path) -> dict[str, Any]:
             out["adversary"] = resolve_adversary(_section(config, "adversary"))
         except ConfigError as e:
             raise e.within("adversary") from None
-    return out
+    return out, bound
 
 
 def _network(options: dict[str, Any], file: Path) -> dict[str, Any]:

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import yaml
 
+from p2pfl.app.config import Resolved
 from p2pfl.core.errors import ConfigError, RunError, TopologyMisfit
 from p2pfl.core.json_io import write_json
 from p2pfl.core.seeding import derive_seed
@@ -30,13 +31,12 @@ from p2pfl.data.datasets import load_dataset
 from p2pfl.data.federated import make_federated_data
 from p2pfl.learning.batched import unbatchable
 from p2pfl.learning.state import average_states
-from p2pfl.learning.training import TrainConfig, Trainer, resolve_device
-from p2pfl.methods import METHODS
+from p2pfl.learning.training import Trainer, resolve_device
 from p2pfl.methods.attacks import build_adversary
 from p2pfl.methods.effects import Finish, State
 from p2pfl.network.dynamics import Network
 from p2pfl.network.ledger import Ledger, summarize_csv
-from p2pfl.network.peers import build_population, save_peers
+from p2pfl.network.peers import save_peers
 from p2pfl.network.topology import Topology, build_topology
 from p2pfl.reporting import matching
 from p2pfl.reporting.partition import save_partition
@@ -45,9 +45,9 @@ from p2pfl.reporting.reporters import Reporter, open_reporters
 from p2pfl.runtime.children import Forked
 from p2pfl.runtime.launcher import NodeFiles, gather, launch
 from p2pfl.runtime.ranks import Ranks
-from p2pfl.runtime.setup import EvalConfig, Setup, StopConfig
+from p2pfl.runtime.setup import Setup
 from p2pfl.runtime.sim import SimRuntime
-from p2pfl.runtime.sockets import TransportConfig, check_curve_keys
+from p2pfl.runtime.sockets import check_curve_keys
 from p2pfl.runtime.worker import Worker
 
 
@@ -65,19 +65,19 @@ def reason(e: BaseException) -> str:
     return str(e) or type(e).__name__
 
 
-def build(config: dict[str, Any], transport: str = "sim") -> Setup:
-    """Build the method, peers, topology, model and data of a resolved config.
+def build(experiment: Resolved, transport: str = "sim") -> Setup:
+    """Build what a resolved experiment needs the data or the graph for: the topology, the
+    model, the federated data, the network and the adversary.
 
-    This is the validation phase: every check that needs no training runs here, before a
-    run writes anything, and raises ``ConfigError``; the methods' own checks on the model
+    With :func:`~p2pfl.app.config.resolve` this is the validation phase: every check that
+    needs no training runs here, before a run writes anything, and raises ``ConfigError``;
+    the methods' own checks on the model
     and data come last (``Method.check_data``), then whether the method fits the topology
     (``Method.check``, as a ``TopologyMisfit``: a sweep skips such a cell only when nothing
     else is wrong with it). ``transport: zmq`` also checks the CURVE keys of every node.
     """
-    seed = config["seed"]
-    algo = {k: v for k, v in config["algorithm"].items() if k != "name"}
-    method = _within("algorithm", lambda: METHODS.get(config["algorithm"]["name"])(**algo))
-    population = _within("peers", lambda: build_population(seed, **config["peers"]))
+    config, seed = experiment.config, experiment.seed
+    method, population = experiment.method, experiment.population
     _within("peers", resolve_device, population.profiles[0].device)
     topo_seed = derive_seed(seed, "topology")
     topology = _within(
@@ -91,7 +91,7 @@ def build(config: dict[str, Any], transport: str = "sim") -> Setup:
     )  # fmt: skip
     if population.batched and (why := unbatchable(trainer.module(torch.device("cpu")))):
         raise ConfigError("batched", why).within("peers")
-    evaluation = EvalConfig(**config["eval"])
+    evaluation = experiment.eval
     if evaluation.matching is not None:
         _within(
             "eval.matching", matching.check, matching.MatchingConfig(**evaluation.matching),
@@ -109,12 +109,11 @@ def build(config: dict[str, Any], transport: str = "sim") -> Setup:
             raise ConfigError("attack", method.unattackable).within("adversary")
         for p in adversary.peers:  # a data attack changes what the attackers train on
             data.peers[p] = adversary.attack.poison(data.peers[p], data.num_classes)
-    train = TrainConfig(**config["train"])
+    train = experiment.train
     train.check_data(data.peers)
     method.check_data(copy.deepcopy(trainer.module(torch.device("cpu"))), data)
-    stop = StopConfig(**config["stop"]) if "stop" in config else None
     if transport == "zmq":
-        check_curve_keys(TransportConfig(**config["transport"]), topology, topology.graph.nodes)
+        check_curve_keys(experiment.transport, topology, topology.graph.nodes)
         if evaluation.every_s is not None:
             raise ConfigError(
                 "every_s", "needs the simulation: over sockets no process holds every model"
@@ -134,7 +133,7 @@ def build(config: dict[str, Any], transport: str = "sim") -> Setup:
         raise TopologyMisfit(e.key, e.message).within("topology") from None
     return Setup(
         config, method, population, topology, trainer, data, train, evaluation, network,
-        adversary, stop,
+        adversary, experiment.stop,
     )  # fmt: skip
 
 

@@ -43,7 +43,7 @@ from typing import Any
 import yaml
 from tqdm import tqdm
 
-from p2pfl.app.config import SECTIONS, read_experiment, resolve, set_path
+from p2pfl.app.config import SECTIONS, Resolved, read_experiment, resolve, set_path
 from p2pfl.app.experiment import build, empty, run
 from p2pfl.core.errors import ConfigError, RunError, TopologyMisfit
 from p2pfl.data.datasets import loaded_once
@@ -71,11 +71,11 @@ and end."""
 
 @dataclass
 class Cell:
-    """One point of the grid: the value of every sweep key, and its resolved config."""
+    """One point of the grid: the value of every sweep key, and its resolved experiment."""
 
     values: dict[str, Any]
     labels: dict[str, str]
-    config: dict[str, Any] = field(default_factory=dict)
+    experiment: Resolved = field(init=False)
 
     @property
     def name(self) -> str:
@@ -105,7 +105,7 @@ def split(raw: dict[str, Any]) -> tuple[dict[str, Any], dict[str, list[Any]]]:
     return base, grid
 
 
-def base_config(raw: dict[str, Any], file: Path) -> dict[str, Any]:
+def base_config(raw: dict[str, Any], file: Path) -> Resolved:
     """A sweep file read as one experiment (``p2pfl cost``, ``p2pfl peer``): its base, the
     file without ``sweep:``, resolved once every cell has been checked as a sweep checks it."""
     base, grid = split(raw)
@@ -202,7 +202,7 @@ def cells(
                 str(file),
             )
         try:
-            cell.config = resolve(apply(raw, values), file)
+            cell.experiment = resolve(apply(raw, values), file)
         except ConfigError as e:
             raise _in_cell(e, cell, file) from None
         out.append(cell)
@@ -220,7 +220,7 @@ def misfits(todo: Iterable[Cell], file: Path, transport: str) -> dict[str, str]:
     skipped = {}
     for cell in todo:
         try:
-            build(cell.config, transport)
+            build(cell.experiment, transport)
         except TopologyMisfit as e:
             skipped[cell.name] = str(e)
         except ConfigError as e:
@@ -248,14 +248,14 @@ def run_cell(
     row: dict[str, Any] = {"cell": cell.name, "reason": ""}
     if misfit is not None:
         return row | {"status": "skipped", "reason": misfit}
-    summary = finished(out, cell.config)
+    summary = finished(out, cell.experiment.config)
     if summary is not None:
         row["status"] = "done"
     else:
         if out.is_dir():  # run before (failed, or another config): none of its files may stay
             empty(out)
         try:
-            summary = run(build(cell.config, transport), out, progress, transport)
+            summary = run(build(cell.experiment, transport), out, progress, transport)
             row["status"] = "ok"
         except RunError as e:
             return row | {"status": "failed", "reason": str(e)}
@@ -278,7 +278,7 @@ def mean_std(xs: list[float]) -> tuple[float, float]:
 
 def targets_of(todo: Iterable[Cell]) -> list[str]:
     """The keys (``"0.7"``) of the accuracies any cell's ``eval.targets`` names, ascending."""
-    values = {float(t) for cell in todo for t in cell.config["eval"].get("targets", ())}
+    values = {float(t) for cell in todo for t in cell.experiment.eval.targets}
     return [target_key(t) for t in sorted(values)]
 
 
@@ -413,7 +413,10 @@ def _in_parallel(
         while pending or running:
             while pending and len(running) < workers:
                 i, cell = pending.pop(0)
-                if cell.name in skipped or finished(out / cell.name, cell.config) is not None:
+                if (
+                    cell.name in skipped
+                    or finished(out / cell.name, cell.experiment.config) is not None
+                ):
                     yield i, _cell_row(cell, out, False, transport, skipped)  # nothing to run
                     continue
                 read, write = os.pipe()
@@ -520,7 +523,7 @@ def load_experiment(
     sets: Sequence[str | tuple[str, Any]] = (),
     seed: int | None = None,
     given: dict[str, Any] | None = None,
-) -> dict[str, Any]:
+) -> Resolved:
     """Read, override and resolve an experiment file (a sweep file as its base, once every
     cell has resolved); errors carry the file name. ``given``: the file's contents from
     Python."""
