@@ -35,8 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import p2pfl_command, report  # noqa: E402
 
-from p2pfl.app.config import resolve  # noqa: E402
-from p2pfl.app.experiment import build, run  # noqa: E402
+import p2pfl  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 VENV = HERE / ".flwr-venv"
@@ -86,12 +85,10 @@ def flower_python() -> Path:
 
 
 def p2pfl_run(config: dict, batched: bool) -> tuple[float, float]:
-    config = copy.deepcopy(config)
-    config["peers"]["batched"] = batched
-    setup = build(resolve(config, HERE / "vs_flower.yaml"))
-    with tempfile.TemporaryDirectory() as out:
-        summary = run(setup, Path(out))
-        return summary["wall_time_s"], summary["final"]["accuracy"]
+    """One run in this process through the Python API: its wall time and final accuracy."""
+    with tempfile.TemporaryDirectory() as tmp:
+        result = p2pfl.run(config, out=Path(tmp) / "run", peers__batched=batched)
+        return result.summary["wall_time_s"], result.summary["final"]["accuracy"]
 
 
 def p2pfl_workers(config: dict, workers: int) -> tuple[float, float]:
