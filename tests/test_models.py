@@ -117,7 +117,10 @@ def test_a_seeds_initial_model_is_the_builder_after_torch_manual_seed() -> None:
 
 
 def test_registry_lists_every_builder() -> None:
-    assert MODELS.names() == ["cnn3", "cnn_s", "lenet", "mlp", "resnet18"]
+    assert MODELS.names() == [
+        "char_lstm", "char_transformer", "cnn1d", "cnn3", "cnn_s", "lenet", "logreg", "mlp",
+        "resnet18",
+    ]  # fmt: skip
 
 
 def test_mlp_parameter_counts() -> None:
