@@ -128,6 +128,15 @@ def test_natural_partition_takes_the_largest_roles_deterministically():
     assert any(
         not torch.equal(a.val_x, b.val_x) for a, b in zip(fed.peers, other.peers, strict=True)
     )
+    sub = load_dataset({"name": "shakespeare", "stride": 80, "min_lines": 50, "subset": 500}, 0)
+    assert len(sub.train_groups) == 500 and sub.group_names == data.group_names
+    rows_of = {
+        tuple(x.tolist()): int(g) for x, g in zip(data.train_x, data.train_groups, strict=True)
+    }
+    assert all(
+        rows_of[tuple(x.tolist())] == g
+        for x, g in zip(sub.train_x, sub.train_groups.tolist(), strict=True)
+    )
     with pytest.raises(ConfigError, match="102 peers but the dataset has 101 natural groups"):
         make_federated_data(data, options, 102, seed=0)
     digits = load_dataset({"name": "digits"}, seed=0)
@@ -161,6 +170,8 @@ def test_model_sizes_flops_and_kinds():
     lstm = build_model({"name": "char_lstm"}, (80,), 80, torch.long)
     # LEAF's stacked LSTM: 640 + (4*256*(8+256) + 8*256) + (4*256*512 + 8*256) + 256*80 + 80
     assert sum(p.numel() for p in lstm.parameters()) == 819_920
+    tiny = build_model({"name": "char_transformer"}, (80,), 80, torch.long)
+    assert sum(p.numel() for p in tiny.parameters()) == 115_536
     gates = 2 * 4 * 256 * (8 + 256) + 2 * 4 * 256 * (256 + 256)
     assert forward_flops(lstm, (80,)) == 80 * gates + 2 * 256 * 80
     small = build_model(
@@ -227,6 +238,35 @@ def test_a_run_counts_the_bytes_cost_predicts(tmp_path):
     assert int(row["model_bytes"]) == sum(int(r["bytes"]) for r in comm if r["kind"] == "model")
 
 
+@pytest.mark.slow  # 15 s: two runs
+def test_int8_models_and_two_ranks_give_the_same_run(tmp_path):
+    """The int8 codec on LSTM weights: p2pfl cost counts the bytes the run sends; --workers 2
+    (torch.distributed ranks share the training) writes the same rows as one process."""
+    config = SMALL | {
+        "topology": {"kind": "ring"},
+        "algorithm": {"name": "dfedavgm", "rounds": 2},
+        "compression": {"model": {"codec": "int8"}},
+    }
+    one = run_cli(tmp_path / "exp.yaml", config, tmp_path / "one", "--quiet")
+    two = run_cli(tmp_path / "exp.yaml", config, tmp_path / "two", "--quiet", "--workers", "2")
+    assert one.returncode == 0 and two.returncode == 0, one.stderr + two.stderr
+    for name in ("metrics.csv", "comm.csv"):
+        assert (tmp_path / "one" / name).read_bytes() == (tmp_path / "two" / name).read_bytes()
+    summary = json.loads((tmp_path / "one" / "summary.json").read_text())
+    cost = subprocess.run(
+        [sys.executable, "-m", "p2pfl", "cost", str(tmp_path / "exp.yaml"), "--topologies",
+         "ring", "--out", str(tmp_path / "cost")],
+        capture_output=True, text=True, cwd=ROOT, timeout=300,
+    )  # fmt: skip
+    assert cost.returncode == 0, cost.stderr
+    (row,) = rows(tmp_path / "cost" / "cost.csv")
+    assert int(row["total_bytes"]) == summary["comm"]["total_bytes"]
+    # 8-bit codes: about a quarter of the float32 model per message (plus scales and header)
+    model_rows = [r for r in rows(tmp_path / "one" / "comm.csv") if r["kind"] == "model"]
+    params = 80 * 8 + 4 * 16 * (8 + 16) + 8 * 16 + 16 * 80 + 80
+    assert all(params < int(r["bytes"]) < 2 * params for r in model_rows)
+
+
 @pytest.mark.slow  # 10 s
 def test_peer_count_left_out_is_every_role(tmp_path):
     config = SMALL | {"peers": {}, "algorithm": {"name": "fedavg", "rounds": 1}}
@@ -258,6 +298,8 @@ BAD = [
     ),
     ({"peers": {"count": 6, "batched": True}}, "peers.batched: this model has a recurrent layer"),
     ({"algorithm": {"name": "maecho"}}, "model.name: maecho projects the inputs"),
+    ({"partition": {"name": "domain"}, "peers": {"count": 4}}, "partition.angles: domain rotates"),
+    ({"model": {"name": "char_lstm", "pans": {"mode": "add"}}}, "model.pans: char_lstm has no"),
     ({"algorithm": {"name": "regmean"}}, "layer 'embed' (Embedding) has parameters"),
 ]
 

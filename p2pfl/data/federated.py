@@ -123,6 +123,12 @@ def make_federated_data(
     else:
         parts = fn(labels, num_peers, split.rng(seed), **kwargs)
     angles = rotations(name, num_peers, kwargs) or [0.0] * num_peers
+    if any(angles) and (len(dataset.input_shape) != 3 or dataset.tokens):
+        raise ConfigError(
+            "angles",
+            f"{name} rotates images [C, H, W]; {dataset.name}'s samples have shape "
+            f"{list(dataset.input_shape)}; use angles: [0] or another partition",
+        )
     # the darkest value per channel, for rotated corners (a pass over every image: only if used)
     fill = dataset.train_x.amin(dim=(0, 2, 3)).tolist() if any(angles) else []
 

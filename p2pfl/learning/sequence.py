@@ -74,7 +74,7 @@ def char_lstm(
 ) -> nn.Module:
     """LEAF's Shakespeare model (Caldas et al. 2018, §3; its ``stacked_lstm``): each token
     embedded in 8 dimensions, a 2-layer LSTM of 256 units, a linear layer from the last
-    position's output to the classes (818,000 parameters for LEAF's 80 characters).
+    position's output to the classes (819,920 parameters for LEAF's 80 characters).
 
     The embedding knows as many tokens as there are classes (next-token prediction).
 
@@ -165,7 +165,7 @@ def char_transformer(
     a final LayerNorm and a linear layer from the last position to the classes (the
     embedding knows as many tokens as there are classes). No dropout
     (training stays deterministic). The defaults (d_model 64, 2 layers, 4 heads) have
-    about 110,000 parameters.
+    115,536 parameters for 80 characters and windows of 80.
 
     Args:
         d_model: width of the token vectors.
