@@ -310,6 +310,7 @@ def test_cli_failed_download_is_one_error_line_exit_2_nothing_written(
     assert not out.exists() and not root.exists()
 
 
+@pytest.mark.slow  # 4 s: a command line (test_no_download_key_fetches_nothing is in-process)
 def test_missing_root_without_download_exits_2(tmp_path: Path) -> None:
     out = tmp_path / "out"
     config = BASE | {"dataset": {"name": "cifar100", "root": str(tmp_path / "none")}}

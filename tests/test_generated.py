@@ -296,7 +296,7 @@ def test_zmq_run_gives_the_simulated_models(tmp_path, config):
     ("dataset", "message"),
     [
         ({"name": "synthetic", "alpha": -1}, "dataset.alpha: must be >= 0, got -1"),
-        ({"name": "no_such_set"}, "dataset.name"),
+        pytest.param({"name": "no_such_set"}, "dataset.name", marks=pytest.mark.slow),
     ],
 )
 def test_bad_keys_exit_2_and_write_nothing(tmp_path, dataset, message):
@@ -310,6 +310,7 @@ def test_bad_keys_exit_2_and_write_nothing(tmp_path, dataset, message):
 @pytest.mark.parametrize(
     ("change", "key"),
     [
+        ({"dataset": {"name": "no_such_set"}}, "dataset.name"),
         ({"dataset": {"name": "synthetic", "beta": -0.5}}, "dataset.beta"),
         ({"dataset": {"name": "synthetic", "test_fraction": 1}}, "dataset.test_fraction"),
         ({"dataset": {"name": "mnist1d", "train_split": 1.5}}, "dataset.train_split"),
