@@ -79,9 +79,11 @@ def server(tmp_path: Path) -> Iterator[tuple[str, Path]]:
         httpd.server_close()
 
 
-def serve_mnist(monkeypatch: pytest.MonkeyPatch, url: str, served: Path) -> np.ndarray:
-    """MNIST's four gzipped IDX files on the server; torchvision's MNIST pointed at them.
-    Returns the train images."""
+def serve_mnist(
+    monkeypatch: pytest.MonkeyPatch, url: str, served: Path, cls: type = tv.MNIST
+) -> np.ndarray:
+    """MNIST's four gzipped IDX files on the server; torchvision's MNIST (or ``cls``, which
+    shares its format: Fashion-MNIST) pointed at them. Returns the train images."""
     train_x, test_x = images(N_TRAIN, (28, 28), 1), images(N_TEST, (28, 28), 2)
     files = {
         "train-images-idx3-ubyte.gz": idx(train_x),
@@ -94,9 +96,13 @@ def serve_mnist(monkeypatch: pytest.MonkeyPatch, url: str, served: Path) -> np.n
         data = gzip.compress(raw, mtime=0)
         (served / name).write_bytes(data)
         resources.append((name, md5(data)))
-    monkeypatch.setattr(tv.MNIST, "mirrors", [url])
-    monkeypatch.setattr(tv.MNIST, "resources", resources)
+    monkeypatch.setattr(cls, "mirrors", [url])
+    monkeypatch.setattr(cls, "resources", resources)
     return train_x
+
+
+def serve_fashion_mnist(monkeypatch: pytest.MonkeyPatch, url: str, served: Path) -> np.ndarray:
+    return serve_mnist(monkeypatch, url, served, tv.FashionMNIST)
 
 
 def cifar_tar(folder: str, members: dict[str, dict[str, Any]]) -> tuple[bytes, dict[str, str]]:
@@ -206,6 +212,7 @@ def test_mnist_downloads_through_torchvision_then_reads_offline(
 @pytest.mark.parametrize(
     ("name", "serve", "shape", "classes", "keys"),
     [
+        ("fashion_mnist", serve_fashion_mnist, (40, 1, 28, 28), 10, {}),
         ("cifar10", serve_cifar10, (40, 3, 32, 32), 10, {}),
         ("cifar100", serve_cifar100, (30, 3, 32, 32), 100, {}),
         ("cifar100", serve_cifar100, (30, 3, 32, 32), 20, {"labels": "coarse"}),
@@ -403,3 +410,10 @@ def test_every_recipe_runs_a_couple_of_rounds_on_a_subset(
     assert 0 <= result.summary["final"]["accuracy"] <= 1
     comm = result.comm
     assert int(comm["bytes"].sum()) == result.summary["comm"]["total_bytes"] > 0
+
+
+def test_fashion_mnist_downloads_only_into_a_root() -> None:
+    """Its default is the Debian package's read-only folder: a download needs a root."""
+    with pytest.raises(ConfigError) as e:
+        load_dataset({"name": "fashion_mnist", "download": True}, seed=0)
+    assert e.value.key == "download" and "needs root" in e.value.message

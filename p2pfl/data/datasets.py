@@ -316,7 +316,9 @@ def _read_idx_dataset(dirs: tuple[Path, ...], what: str) -> Arrays:
 
 
 @DATASETS.register("fashion_mnist")
-def fashion_mnist(*, root: str | None = None, mean: float = 0.2860, std: float = 0.3530) -> Dataset:
+def fashion_mnist(
+    *, root: str | None = None, mean: float = 0.2860, std: float = 0.3530, download: bool = False
+) -> Dataset:
     """Fashion-MNIST from IDX files: by default the Debian package ``dataset-fashion-mnist``
     (/usr/share/datasets/fashion-mnist); ``root`` may be a directory of the IDX files or a
     torchvision root (``root/FashionMNIST/raw``). Pixels in [0, 1] are normalised with
@@ -329,15 +331,20 @@ def fashion_mnist(*, root: str | None = None, mean: float = 0.2860, std: float =
         mean: input normalisation: the mean subtracted from pixels in [0, 1] (FedFisher's
             experiments use MNIST's 0.1307).
         std: input normalisation: the standard deviation pixels are divided by (MNIST's: 0.3081).
+        download: when the files are missing from ``root`` (which it needs), torchvision
+            downloads them there (its URLs and md5 checksums); false: nothing is ever fetched.
     """
     if std <= 0:
         raise ConfigError("std", f"must be > 0, got {std}")
+    if download and root is None:
+        raise ConfigError("download", "needs root: the directory to download Fashion-MNIST into")
     if root is None:
         dirs: tuple[Path, ...] = (DEBIAN_FASHION_MNIST,)
         what = "Fashion-MNIST (install the Debian package dataset-fashion-mnist or set root)"
     else:
         base = _root(root)
         dirs, what = (base, base / "FashionMNIST" / "raw"), "Fashion-MNIST"
+        needs(_idx_present(dirs), download, "fashion_mnist", base)
     return _to_dataset("fashion_mnist", _read_idx_dataset(dirs, what), 255.0, [mean], [std])
 
 

@@ -26,6 +26,8 @@ def urls(name: str, split: str = "balanced") -> list[str]:
 
     if name == "mnist":
         return [f"{tv.MNIST.mirrors[0]}{f}" for f, _ in tv.MNIST.resources]
+    if name == "fashion_mnist":
+        return [f"{tv.FashionMNIST.mirrors[0]}{f}" for f, _ in tv.FashionMNIST.resources]
     if name == "emnist":
         return [tv.EMNIST.url]
     if name == "cifar10":
@@ -44,6 +46,8 @@ def _download(name: str, folder: Path, split: str) -> None:
     where = str(folder)
     if name == "mnist":
         tv.MNIST(where, train=True, download=True)
+    elif name == "fashion_mnist":
+        tv.FashionMNIST(where, train=True, download=True)
     elif name == "emnist":
         tv.EMNIST(where, split=split, train=True, download=True)
     elif name == "cifar10":
@@ -56,8 +60,9 @@ def _download(name: str, folder: Path, split: str) -> None:
 
 
 def fetch(name: str, root: Path, *, split: str = "balanced") -> None:
-    """Download dataset ``name`` (``mnist``, ``emnist`` with its ``split``, ``cifar10``,
-    ``cifar100``, ``svhn``) into ``root`` with torchvision, which checks each file's md5.
+    """Download dataset ``name`` (``mnist``, ``fashion_mnist``, ``emnist`` with its
+    ``split``, ``cifar10``, ``cifar100``, ``svhn``) into ``root`` with torchvision, which
+    checks each file's md5.
 
     Nothing is left behind on failure: torchvision writes into a temporary folder inside
     ``root``, whose contents are moved into ``root`` only once every file arrived.
