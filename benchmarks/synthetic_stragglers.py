@@ -2,10 +2,11 @@
 ``experiments/synthetic-stragglers.yaml`` (``runs/synthetic-stragglers``).
 
 Per setting, over the seeds (mean ± sample std): the server's final test accuracy, its mean
-over rounds 31-40, the mean absolute change of accuracy from one round to the next over
-rounds 11-40, the worst drop below the best accuracy so far over rounds 11-40, and the final
-test loss, read from each run's ``metrics.csv``. Writes the figure (accuracy and loss per
-round, mean of the seeds).
+over the last 10 rounds, the mean absolute change of accuracy from one round to the next from
+round 11 on, the worst drop below the best accuracy so far from round 11 on, and the final
+test loss, read from each run's ``metrics.csv`` (also for
+``experiments/synthetic-stragglers-long.yaml``, 100 rounds). Writes the figure (accuracy and
+loss per round, mean of the seeds).
 
     python benchmarks/synthetic_stragglers.py [RUNS_DIR] [FIGURE]
 """
@@ -22,15 +23,24 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-BASE = "rounds-40_participation-0.3333"
-STRAGGLERS = "stragglers-fraction-0.9_epochs-1-19"
-SETTINGS = {
-    f"fedavg_{BASE},": "FedAvg, no stragglers",
-    f"fedavg_{BASE}_{STRAGGLERS}_drop-True,": "FedAvg, 90% stragglers dropped",
-    f"fedprox_{BASE}_mu-0_{STRAGGLERS},": "FedProx mu=0, 90% stragglers (partial work)",
-    f"fedprox_{BASE}_mu-1_{STRAGGLERS},": "FedProx mu=1, 90% stragglers (partial work)",
-    f"fedprox_{BASE}_mu-1,": "FedProx mu=1, no stragglers",
-}
+ORDER = [
+    "FedAvg, no stragglers",
+    "FedAvg, 90% stragglers dropped",
+    "FedProx mu=0, 90% stragglers (partial work)",
+    "FedProx mu=1, 90% stragglers (partial work)",
+    "FedProx mu=1, no stragglers",
+]
+
+
+def setting(cell: str) -> str:
+    """The setting a sweep cell's directory name stands for (``algorithm=...,seed=N``)."""
+    algorithm = cell.split(",")[0]
+    stragglers = "stragglers-fraction-0.9" in algorithm
+    if algorithm.startswith("algorithm=fedavg"):
+        return "FedAvg, 90% stragglers dropped" if stragglers else "FedAvg, no stragglers"
+    mu = algorithm.split("_mu-")[1].split("_")[0]
+    work = "90% stragglers (partial work)" if stragglers else "no stragglers"
+    return f"FedProx mu={mu}, {work}"
 
 
 def stat(values: list[float]) -> str:
@@ -52,26 +62,23 @@ def series(run: Path) -> tuple[list[float], list[float]]:
 def main(root: Path, figure: Path) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     print(
-        "| setting | final accuracy | mean of rounds 31-40 | mean abs. change per round "
-        "(rounds 11-40) | worst drop | final test loss |"
+        "| setting | final accuracy | mean of the last 10 rounds | mean abs. change per round "
+        "(rounds 11 on) | worst drop | final test loss |"
     )
     print("|---|---|---|---|---|---|")
-    for key, label in SETTINGS.items():
-        runs = sorted(
-            d
-            for d in root.iterdir()
-            if d.is_dir() and key in d.name + "," and (d / "summary.json").is_file()
-        )
+    cells = [d for d in root.iterdir() if d.is_dir() and (d / "summary.json").is_file()]
+    for label in ORDER:
+        runs = sorted(d for d in cells if setting(d.name) == label)
         if not runs:
             continue
         accs, losses = zip(*(series(run) for run in runs), strict=True)
         final = [a[-1] for a in accs]
-        last = [st.mean(a[30:40]) for a in accs]
-        change = [st.mean(abs(a[i] - a[i - 1]) for i in range(10, 40)) for a in accs]
-        drop = [max(max(a[:i]) - a[i] for i in range(10, 40)) for a in accs]
+        last = [st.mean(a[-10:]) for a in accs]
+        change = [st.mean(abs(a[i] - a[i - 1]) for i in range(10, len(a))) for a in accs]
+        drop = [max(max(a[:i]) - a[i] for i in range(10, len(a))) for a in accs]
         loss = [s[-1] for s in losses]
-        cells = " | ".join(stat(v) for v in (final, last, change, drop, loss))
-        print(f"| {label} ({len(runs)} seeds) | {cells} |")
+        row = " | ".join(stat(v) for v in (final, last, change, drop, loss))
+        print(f"| {label} ({len(runs)} seeds) | {row} |")
         n = min(len(a) for a in accs)
         rounds = range(1, n + 1)
         axes[0].plot(rounds, [st.mean(a[i] for a in accs) for i in range(n)], label=label)
