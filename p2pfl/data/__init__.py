@@ -1,6 +1,6 @@
 """The data layer: offline dataset loaders, partitioners and per-peer data."""
 
-from p2pfl.data import text  # noqa: F401  (registers the shakespeare dataset)
+from p2pfl.data import generated, text  # noqa: F401  (register mnist1d, synthetic, shakespeare)
 from p2pfl.data.datasets import DATASETS, Dataset, load_dataset
 from p2pfl.data.federated import (
     FederatedData,

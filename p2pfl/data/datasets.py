@@ -598,7 +598,3 @@ def _read_svhn_mat(path: Path) -> tuple[np.ndarray, np.ndarray]:
     if len(x) != len(y) or not _whole(y, 1, 10):
         raise ConfigError("root", f"{path}: SVHN labels must be whole numbers 1..10, one per image")
     return x, y.astype(np.int64) % 10
-
-
-# The generated benchmarks (MNIST-1D, Synthetic(alpha, beta)) register themselves here.
-from p2pfl.data import generated  # noqa: E402, F401
