@@ -68,6 +68,7 @@ class Worker:
         }
         self._server_device = resolve_device(self.population.profiles[0].device)
         self._pool: batched.DataPool | None = None
+        self._supported: dict[tuple, bool] = {}  # batched.supports/divisible, per config
         self.ranks = ranks
         self._evals: list[tuple[int, State]] = []  # deferred evaluations (over ranks)
         self._rows: list[tuple[float, int, str, str, float | tuple[int, int]]] = []
@@ -130,7 +131,35 @@ class Worker:
 
     def _batchable(self, node: int, eff: Train) -> bool:
         cfg = self.train_cfg.with_overrides(eff.overrides)
-        return batched.supports(self.trainer.module(self.device(node)), cfg, eff.regularizer)
+        device = self.device(node)
+        # what supports() reads of a regularizer: whether there is one, and a proximal one
+        key = (cfg, device, eff.regularizer is None, isinstance(eff.regularizer, Proximal))
+        if (known := self._supported.get(key)) is None:
+            module = self.trainer.module(device)
+            known = self._supported[key] = batched.supports(module, cfg, eff.regularizer)
+        return known
+
+    def divisible(self, jobs: list[tuple[int, Train]]) -> bool:
+        """Whether these deferred trainings are one batched group (two or more) in which a
+        peer's bits do not depend on which peers share its call (:func:`batched.divisible`),
+        in one process: then any parts of it, two or more each, train to the same bits as
+        the whole (:class:`~p2pfl.runtime.train_batcher.TrainBatcher` computes such a group
+        a chunk at a time)."""
+        if self.ranks is not None or len(jobs) < 2 or not self.population.batched:
+            return False
+        keys = set()
+        for node, eff in jobs:
+            if eff.regularizer is not None or not self._batchable(node, eff):
+                return False
+            keys.add((self.train_cfg.with_overrides(eff.overrides), self.device(node)))
+            if len(keys) > 1:
+                return False
+        ((cfg, device),) = keys
+        key = ("divisible", cfg, device)
+        if (known := self._supported.get(key)) is None:
+            module = self.trainer.module(device)
+            known = self._supported[key] = batched.divisible(module, cfg, device)
+        return known
 
     def _flops(self, node: int, eff: Train) -> float:
         cfg = self.train_cfg.with_overrides(eff.overrides)

@@ -1,0 +1,189 @@
+"""Large populations (issue 38): what keeps memory near the peers' states changes no output.
+
+- A raw message delivered in the simulation is a copy-on-write clone of the sender's
+  tensors (``wire._private_copy``): no bytes are copied until one side writes, and neither
+  side ever sees the other's writes.
+- A cohort of deferred trainings in one divisible batched group is computed a chunk at a
+  time (``TrainBatcher``), soonest end first, instead of all at once.
+
+Both are checked against the old behaviour (plain clones; the whole cohort in one call):
+``comm.csv``, ``metrics.csv`` and ``summary.json`` (minus wall times) byte for byte.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import run_cli, run_experiment
+from p2pfl.learning import state
+from p2pfl.learning.state import clone_state
+from p2pfl.network import wire
+from p2pfl.network.message import Message
+from p2pfl.runtime import train_batcher
+from p2pfl.runtime.train_batcher import TrainBatcher
+from p2pfl.runtime.worker import Worker
+
+WALL = {"wall_time_s", "compute_wall_s"}
+
+
+def outputs(out: Path) -> dict[str, Any]:
+    summary = json.loads((out / "summary.json").read_text())
+    return {
+        "comm.csv": (out / "comm.csv").read_bytes(),
+        "metrics.csv": (out / "metrics.csv").read_bytes(),
+        "summary": {k: v for k, v in summary.items() if k not in WALL},
+    }
+
+
+def test_a_delivered_model_is_a_private_copy_that_costs_nothing_until_written():
+    weight, bias = torch.randn(64, 32), torch.randn(64)
+    msg = Message("model", 0, 1, 3, {"w": weight, "b": bias}, {"n": 1})
+    received, size = wire.deliver(msg)
+    assert size == len(wire.encode(msg))
+    w = received.tensors["w"]
+    assert torch._C._is_cow_tensor(w)  # 8 KiB, a whole storage: shared until written
+    assert not torch._C._is_cow_tensor(received.tensors["b"])  # 256 bytes: cloned
+    assert torch.equal(w, weight) and torch.equal(received.tensors["b"], bias)
+    before = weight.clone()
+    weight.add_(1.0)  # the sender writes: the receiver keeps what was sent
+    assert torch.equal(w, before)
+    w.mul_(0.0)  # the receiver writes: the sender keeps its own
+    assert torch.equal(weight, before + 1.0) and not w.any()
+    assert received.meta == {"n": 1} and received.meta is not msg.meta
+
+
+def test_a_view_is_cloned_not_shared():
+    """A lazy clone of a slice would keep its whole storage alive."""
+    stack = torch.randn(8, 64, 32)
+    received, _ = wire.deliver(Message("model", 0, 1, 1, {"w": stack[3]}))
+    w = received.tensors["w"]
+    assert not torch._C._is_cow_tensor(w) and w.untyped_storage().nbytes() == 64 * 32 * 4
+    assert torch.equal(w, stack[3])
+
+
+def test_memory_torch_did_not_allocate_is_cloned():
+    """numpy's memory (a decoded frame's too) cannot be shared copy-on-write: cloned."""
+    weight = torch.from_numpy(np.arange(64 * 32, dtype=np.float32).reshape(64, 32))
+    received, _ = wire.deliver(Message("model", 0, 1, 1, {"w": weight}))
+    w = received.tensors["w"]
+    assert not torch._C._is_cow_tensor(w) and torch.equal(w, weight)
+    weight.add_(1.0)
+    assert w[0, 0] == 0.0
+    (copy,) = clone_state({"w": weight}).values()
+    assert not torch._C._is_cow_tensor(copy) and torch.equal(copy, weight)
+
+
+def test_clone_state_is_copy_on_write_and_private():
+    model = {"w": torch.randn(64, 32), "b": torch.randn(64)}
+    copy = clone_state(model)
+    assert torch._C._is_cow_tensor(copy["w"]) and not torch._C._is_cow_tensor(copy["b"])
+    before = {k: v.clone() for k, v in model.items()}
+    model["w"].add_(1.0)
+    copy["b"].add_(1.0)
+    assert torch.equal(copy["w"], before["w"]) and torch.equal(model["b"], before["b"])
+
+
+def _old_ways(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Plain clones for every message and state, every cohort in one call (before issue
+    38)."""
+    monkeypatch.setattr(wire, "_LAZY", None)
+    monkeypatch.setattr(state, "_LAZY", None)
+    monkeypatch.setattr(Worker, "divisible", lambda self, jobs: False)
+
+
+def _spy_chunks(monkeypatch: pytest.MonkeyPatch) -> tuple[list[int], list[int]]:
+    """The size of every training call, and of every chunk of a cohort among them."""
+    calls: list[int] = []
+    chunks: list[int] = []
+    run, chunk = TrainBatcher._run, TrainBatcher._chunk
+
+    def run_spy(self: TrainBatcher, jobs: list) -> None:
+        calls.append(len(jobs))
+        run(self, jobs)
+
+    def chunk_spy(self: TrainBatcher, job: Any) -> None:
+        cohort = job.cohort
+        before = len(cohort)
+        chunk(self, job)
+        chunks.append(before - len(cohort))
+
+    monkeypatch.setattr(TrainBatcher, "_run", run_spy)
+    monkeypatch.setattr(TrainBatcher, "_chunk", chunk_spy)
+    return calls, chunks
+
+
+CASES = {
+    # label skew: unequal data, so unequal training times: chunks go by end, not by peer
+    "dfedavgm-ring": {
+        "topology": {"kind": "ring"},
+        "partition": {"name": "dirichlet", "alpha": 0.5, "min_size": 5},
+        "algorithm": {"name": "dfedavgm", "rounds": 3},
+        "train": {"epochs": 1, "batch_size": 16, "lr": 0.05, "momentum": 0.9},
+    },
+    "gossip-regular": {
+        "topology": {"kind": "random_regular", "d": 4},
+        "model": {"name": "logreg"},
+        "algorithm": {"name": "gossip", "rounds": 4},
+        "train": {"epochs": 1, "batch_size": 16, "lr": 0.05},
+    },
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_shared_messages_and_chunked_cohorts_leave_outputs_byte_identical(
+    tmp_path, monkeypatch, case
+):
+    sections = CASES[case] | {"peers": {"count": 12, "batched": True}, "eval": {"every": 1}}
+    monkeypatch.setattr(train_batcher, "CHUNK", 3)  # several chunks of 12 peers
+    calls, chunks = _spy_chunks(monkeypatch)
+    run_experiment(tmp_path / "new", **sections)
+    new = outputs(tmp_path / "new")
+    assert len(chunks) > 3 and min(chunks) >= 2 and max(chunks) <= 4  # none left alone
+    calls.clear()
+    with monkeypatch.context() as m:
+        _old_ways(m)
+        run_experiment(tmp_path / "old", **sections)
+    assert max(calls) >= 5  # the old way: whole cohorts
+    old = outputs(tmp_path / "old")
+    assert new == old
+    assert new["summary"]["comm"]["messages"] > 0
+
+
+def test_a_cohort_of_mixed_configs_still_trains_in_one_call(tmp_path, monkeypatch):
+    """FedAvg's stragglers train fewer epochs (another config): not one divisible group,
+    so the cohort trains at once, as before."""
+    calls, chunks = _spy_chunks(monkeypatch)
+    monkeypatch.setattr(train_batcher, "CHUNK", 2)
+    run_experiment(
+        tmp_path / "a",
+        peers={"count": 8, "batched": True, "link": {"bandwidth_bps": 1e10}},
+        algorithm={"name": "fedavg", "rounds": 2, "stragglers": {"fraction": 0.5, "epochs": 1}},
+        train={"epochs": 2, "batch_size": 16, "lr": 0.05},
+    )
+    assert max(calls) >= 4 and not chunks
+
+
+def test_more_workers_than_peers_is_one_error_and_writes_nothing(tmp_path):
+    config = {
+        "name": "few",
+        "seed": 0,
+        "dataset": {"name": "digits"},
+        "partition": {"name": "iid"},
+        "model": {"name": "mlp", "hidden": [8]},
+        "topology": {"kind": "ring"},
+        "peers": {"count": 2},
+        "algorithm": {"name": "dfedavgm", "rounds": 1},
+    }
+    out = tmp_path / "out"
+    done = run_cli(tmp_path / "few.yaml", config, out, "--workers", "3")
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        "error: --workers: 3 ranks for 2 peers: at most one rank per peer"
+    ]
+    assert not out.exists()
