@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import ctypes
 import gc
 import json
 import math
@@ -125,6 +126,8 @@ def child(workload: str, peers: int, threads: int) -> dict[str, Any]:
         metrics = (Path(out) / "metrics.csv").read_bytes()
     gc.collect()
     idle = rss_bytes()
+    ctypes.CDLL(None).malloc_trim(0)  # the heap's free pages back: what is live
+    trimmed = rss_bytes()
     states = [f.state for f in finals.values() if f.state is not None]
     data = setup.data
     import p2pfl
@@ -139,6 +142,7 @@ def child(workload: str, peers: int, threads: int) -> dict[str, Any]:
         "messages": comm["messages"],
         "rss_setup": before,
         "rss_idle": idle,
+        "rss_idle_trimmed": trimmed,
         "rss_peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "state_bytes": state_bytes(states[0]),
         "held_state_bytes": sum(state_bytes(s) for s in states),
