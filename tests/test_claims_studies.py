@@ -1,5 +1,5 @@
 """The claims tier for the studies (issue 41): every result table of docs/dynamics.md,
-docs/adversaries.md and the README's "Measured results", re-run through the real command line
+docs/adversaries.md and docs/results.md (the core methods), re-run through the real command line
 and its documented ordering asserted with a margin, on two seeds (``pytest -m claims``).
 
 Each test runs the documented command itself. A sweep's test keeps only the cells that carry
@@ -289,13 +289,13 @@ def test_push_sum_running_sums_recover_loss_on_a_redrawn_graph(tmp_path):
     assert sum(gaps) / len(gaps) >= 0.06, gaps
 
 
-# --- README, "Measured results" ------------------------------------------------------------
+# --- docs/results.md, the core methods ------------------------------------------------------------
 
 
 @claim
 def test_readme_core_methods_label_skew_costs_fedavg_accuracy(tmp_path):
-    """README "Measured results", the core-method table, shortened to 5 rounds (the README
-    gives this command and its numbers): FedAvg on Fashion-MNIST loses accuracy as the
+    """docs/results.md, the core-method table, shortened to 5 rounds (the page gives this
+    command and its numbers): FedAvg on Fashion-MNIST loses accuracy as the
     label skew grows, IID > Dirichlet 0.5 > Dirichlet 0.1. Measured (seed 0 / 1): IID 0.8480 /
     0.8464, Dirichlet 0.5 0.8248 / 0.8172, Dirichlet 0.1 0.6505 / 0.5604."""
     partitions = [
@@ -320,7 +320,7 @@ GUARD = re.compile(r"`(tests/test_claims_\w+\.py)::(test_\w+)`")
 
 def test_every_table_names_a_claims_test_that_exists():
     """Not a claim (it runs in the default suite): every `tests/test_claims_*.py::test_...`
-    that the README and docs/ name under a table is a test of that file, so a renamed test
+    that the README and docs/*.md name under a table is a test of that file, so a renamed test
     cannot leave a table pointing at nothing."""
     named = [
         (doc.name, *m.groups())

@@ -1,6 +1,6 @@
-"""The README says what the repository holds: the quick-start file it shows is the one
-``make run`` runs, its layer table names every part of the package, and nothing cites files a
-reader of the repository does not have."""
+"""The docs say what the repository holds: the quick-start file the README shows is the one
+``make run`` runs, the package layout page's layer table (docs/reference/layout.md) names every
+part of the package, and nothing cites files a reader of the repository does not have."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ from pathlib import Path
 from conftest import ROOT
 
 README = (ROOT / "README.md").read_text()
+LAYOUT = (ROOT / "docs" / "reference" / "layout.md").read_text()
+"""The package layout page: its table has a row per layer (moved from the README)."""
 
 
 def test_readme_shows_the_quickstart_file_make_runs():
@@ -18,8 +20,8 @@ def test_readme_shows_the_quickstart_file_make_runs():
     assert (ROOT / "experiments" / "quickstart.yaml").read_text() in blocks
 
 
-def test_readme_layer_table_names_every_subpackage():
-    rows = re.findall(r"^\| `([^`]+)` \|", README, re.M)
+def test_the_layer_table_names_every_subpackage():
+    rows = re.findall(r"^\| `([^`]+)` \|", LAYOUT, re.M)
     packages = sorted(
         f"{p.name}/" for p in (ROOT / "p2pfl").iterdir() if (p / "__init__.py").is_file()
     )
@@ -30,11 +32,11 @@ def test_readme_layer_table_names_every_subpackage():
     assert sorted(r for r in rows if r.endswith("/")) == packages
 
 
-def test_readme_layer_table_names_every_module():
+def test_the_layer_table_names_every_module():
     """Each module ``p2pfl/PKG/PATH.py`` is named `PATH.py` in row `PKG/` (a nested one as
     `attacks/alie.py`), each top-level one in its own row, and no row names a module that
     is not there."""
-    cells = dict(re.findall(r"^\| `([^`]+)` \| (.*) \|[^|]*\|$", README, re.M))
+    cells = dict(re.findall(r"^\| `([^`]+)` \| (.*) \|[^|]*\|$", LAYOUT, re.M))
     named = {
         (row if row.endswith("/") else "", token)
         for row, cell in cells.items()

@@ -355,3 +355,21 @@ def test_the_readme_quick_start_prints_what_it_shows(tmp_path):
     numbers = re.compile(r"final accuracy ([\d.]+), (.*), wall")
     (acc, rest), (shown_acc, shown_rest) = numbers.findall(got)[0], numbers.findall(shown)[0]
     assert rest == shown_rest and abs(float(acc) - float(shown_acc)) <= 0.01, got
+
+
+# --- the README: a quick tour that links into the site ----------------------------------
+
+
+def test_the_readme_is_a_quick_tour_whose_links_resolve():
+    """At most 200 lines (the manual is the site), and every relative link points at a file
+    of the repository (the site's pages are its Markdown files under docs/)."""
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.splitlines()) <= 200
+    links = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", readme)
+    assert len(links) >= 20
+    for link in links:
+        if "://" not in link:
+            assert (ROOT / link).exists(), link
+    nav = (ROOT / "mkdocs.yml").read_text()
+    pages = [link.removeprefix("docs/") for link in links if link.startswith("docs/")]
+    assert [p for p in pages if p.endswith(".md") and p not in nav] == []
