@@ -54,11 +54,12 @@ def test_replayed_training_steps_are_the_eager_steps(monkeypatch, model, cfg):
     if device.type == "cpu":  # the replayed path where CUDA would take it
         kept = {}
 
-        def full_batch(self, model, params, shape, cfg, regularizer, device):
+        def full_batch(self, model, params, x_all, cfg, regularizer, device):
             if not self.graphs:
                 return None
             if cfg not in kept:
-                kept[cfg] = training._FullBatch(model, params, shape, cfg, device)
+                shape, dtype = x_all.shape[1:], x_all.dtype
+                kept[cfg] = training._FullBatch(model, params, shape, dtype, cfg, device)
             return kept[cfg]
 
         monkeypatch.setattr(Trainer, "_replayed", full_batch)

@@ -10,6 +10,7 @@ min(up_i, down_j) instead (:meth:`Topology.rated`), except on an edge whose band
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -63,8 +64,10 @@ class Topology:
     down_bps: tuple[float, ...] = ()  # each peer's downlink (peers.down_bps); empty: not set
     pinned: frozenset[frozenset[int]] = frozenset()  # edges whose bandwidth a links: entry sets
 
-    @property
+    @functools.cached_property
     def peers(self) -> list[int]:
+        """The peers' ids, 0..N−1: one list made once (a method asks for it on every
+        message; rebuilding it made a period of gossip O(N²)). Read it, never change it."""
         return list(range(self.num_peers))
 
     @property
