@@ -118,12 +118,16 @@ class DFedAvgM(Aggregating):
             last, z = yield from local_round(
                 self.relaxed, self.local_train, x, last, ctx.trainable, t
             )
+            del x  # z^t replaces it: a peer holds one model while it waits for its neighbours
             senders = yield from reachable(ctx, self.live, t, incoming=True)
             receivers = yield from reachable(ctx, self.live, t)
             yield from broadcast(receivers, "model", t, z)  # neighbours communicate z^t
             deadline = yield from deadline_in(self.wait_s)
             answers = yield from gather(len(senders), t, deadline)
             x = self.mix(z, answers, row)  # x^{t+1}(i) = Σ_l w_il z^t(l)
+            del z, answers  # between rounds a peer holds x alone (and, with FedInit, last)
+            if self.relaxed is None:
+                last = x  # unused without FedInit: it need not keep z^t alive
             yield Evaluate(x, t)
         yield Finish(x)
 
