@@ -132,8 +132,8 @@ def build(experiment: Resolved, transport: str = "sim") -> Setup:
     except ConfigError as e:
         raise TopologyMisfit(e.key, e.message).within("topology") from None
     return Setup(
-        config, method, population, topology, trainer, data, train, evaluation, network,
-        adversary, experiment.stop,
+        config, method, population, topology, trainer, data, train, evaluation,
+        experiment.transport, network, adversary, experiment.stop,
     )  # fmt: skip
 
 

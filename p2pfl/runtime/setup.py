@@ -150,6 +150,7 @@ class Setup:
     data: FederatedData
     train: TrainConfig
     eval: EvalConfig
+    transport: TransportConfig  # how real runs behave
     network: Network | None = None  # the ``network:`` section, if the run has one
     adversary: Adversary | None = None  # the ``adversary:`` section, if it names attackers
     stop: StopConfig | None = None  # the ``stop:`` section, if the run has one
@@ -157,11 +158,6 @@ class Setup:
     @property
     def seed(self) -> int:
         return self.config["seed"]
-
-    @functools.cached_property
-    def transport(self) -> TransportConfig:
-        """The ``transport:`` section (how real runs behave), parsed once."""
-        return TransportConfig(**self.config["transport"])
 
     @functools.cached_property
     def compression(self) -> Compression:
