@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import json
 import os
 import signal
 import subprocess
@@ -89,6 +90,16 @@ def run_cli(
         [sys.executable, "-m", "p2pfl", "run", str(file), "--out", str(out), *args],
         capture_output=True, text=True, cwd=ROOT, timeout=300,
     )  # fmt: skip
+
+
+def sim_and_zmq(tmp_path: Path, config: dict[str, Any]) -> tuple[dict, dict]:
+    """Run ``config`` from the command line in simulation (``tmp_path/sim``) and over
+    ``--transport zmq`` (``tmp_path/zmq``); both must succeed. Their summary.json contents."""
+    for out, args in (("sim", ()), ("zmq", ("--transport", "zmq"))):
+        done = run_cli(tmp_path / "exp.yaml", config, tmp_path / out, "--quiet", *args)
+        assert done.returncode == 0, done.stderr
+    sim, zmq = (json.loads((tmp_path / d / "summary.json").read_text()) for d in ("sim", "zmq"))
+    return sim, zmq
 
 
 def sim_runtimes(monkeypatch: pytest.MonkeyPatch) -> list[SimRuntime]:

@@ -7,7 +7,6 @@ simulation, a sweep and over ZeroMQ, p2pfl cost against the ledger, and bad keys
 from __future__ import annotations
 
 import csv
-import json
 import random
 import socket
 from pathlib import Path
@@ -18,7 +17,7 @@ import pytest
 import torch
 
 import p2pfl
-from conftest import ROOT, run_cli
+from conftest import ROOT, run_cli, sim_and_zmq
 from p2pfl.app.config import resolve
 from p2pfl.app.experiment import build
 from p2pfl.core.errors import ConfigError
@@ -284,11 +283,7 @@ def test_a_sweep_over_the_reference_models(tmp_path):
 @pytest.mark.parametrize("config", [M1D, SYN], ids=["mnist1d", "synthetic"])
 def test_zmq_run_gives_the_simulated_models(tmp_path, config):
     config = config | {"transport": {"timeout_s": 120.0}}
-    sim = run_cli(tmp_path / "exp.yaml", config, tmp_path / "sim", "--quiet")
-    real = run_cli(tmp_path / "exp.yaml", config, tmp_path / "zmq", "--quiet", "--transport", "zmq")
-    assert sim.returncode == 0, sim.stderr
-    assert real.returncode == 0, real.stderr
-    a, b = (json.loads((tmp_path / d / "summary.json").read_text()) for d in ("sim", "zmq"))
+    a, b = sim_and_zmq(tmp_path, config)
     assert a["final"] == b["final"] and a["comm"] == b["comm"]
 
 

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import ROOT, run_cli
+from conftest import ROOT, run_cli, sim_and_zmq
 from p2pfl.app.experiment import build
 from p2pfl.core.errors import ConfigError
 from p2pfl.data.datasets import load_dataset
@@ -340,11 +340,7 @@ def test_zmq_run_gives_the_simulated_models(tmp_path, model):
         "algorithm": {"name": "dfedavgm", "rounds": 2},
         "transport": {"timeout_s": 120.0},
     }
-    sim = run_cli(tmp_path / "exp.yaml", config, tmp_path / "sim", "--quiet")
-    real = run_cli(tmp_path / "exp.yaml", config, tmp_path / "zmq", "--quiet", "--transport", "zmq")
-    assert sim.returncode == 0, sim.stderr
-    assert real.returncode == 0, real.stderr
-    a, b = (json.loads((tmp_path / d / "summary.json").read_text()) for d in ("sim", "zmq"))
+    a, b = sim_and_zmq(tmp_path, config)
     assert a["final"] == b["final"] and a["comm"] == b["comm"]
     for name, clock in {"metrics.csv": ("time",), "comm.csv": ("time", "arrival")}.items():
         got = [
