@@ -38,10 +38,73 @@ def _check_peers(labels: np.ndarray, num_peers: int) -> None:
 
 
 @PARTITIONERS.register("iid")
-def iid(labels: np.ndarray, num_peers: int, rng: Rng) -> list[np.ndarray]:
-    """Shuffle all samples and split them into near-equal parts."""
-    _check_peers(labels, num_peers)
-    return np.array_split(rng.permutation(len(labels)), num_peers)
+def iid(
+    labels: np.ndarray,
+    num_peers: int,
+    rng: Rng,
+    *,
+    samples_per_peer: int | None = None,
+    replace: bool = False,
+) -> list[np.ndarray]:
+    """Shuffle all samples and split them into near-equal parts; or give each peer
+    ``samples_per_peer`` of them, disjoint or (``replace: true``) drawn independently per
+    peer, so that more peers than samples each get data (100,000 peers from 60,000 images).
+
+    With ``replace``, each peer's samples are a uniform draw of ``samples_per_peer``
+    distinct samples from the whole train set, independent of every other peer's: sampling
+    with replacement across peers, without within one, so a sample may be held by several
+    peers. Shards are index arrays into the one dataset tensor; the images are gathered once
+    for all peers, never per peer (:func:`p2pfl.data.federated.make_federated_data`).
+
+    Args:
+        samples_per_peer: each peer's number of samples, validation included (null: all the
+            samples split near-evenly, as without the key).
+        replace: draw each peer's samples independently of the others' (shards overlap; with
+            ``samples_per_peer`` only, which may then exceed the train set divided by the peers).
+    """
+    if samples_per_peer is None:
+        if replace:
+            raise ConfigError("replace", "needs samples_per_peer: how many samples each peer draws")
+        _check_peers(labels, num_peers)
+        return np.array_split(rng.permutation(len(labels)), num_peers)
+    n = len(labels)
+    if num_peers < 1:
+        raise ConfigError("count", f"need at least 1 peer, got {num_peers}")
+    if not 1 <= samples_per_peer <= n:
+        raise ConfigError(
+            "samples_per_peer",
+            f"must be between 1 and the {n} train samples, got {samples_per_peer}",
+        )
+    if not replace:
+        if num_peers * samples_per_peer > n:
+            raise ConfigError(
+                "samples_per_peer",
+                f"{num_peers} peers x {samples_per_peer} samples needs "
+                f"{num_peers * samples_per_peer} but the train set has {n}; lower it or "
+                "set replace: true (peers' samples drawn independently, shards overlap)",
+            )
+        perm = rng.permutation(n)[: num_peers * samples_per_peer]
+        return list(perm.reshape(num_peers, samples_per_peer))
+    return list(_distinct_rows(rng, n, num_peers, samples_per_peer))
+
+
+def _distinct_rows(rng: Rng, n: int, rows: int, size: int) -> np.ndarray:
+    """``rows`` independent uniform draws of ``size`` distinct integers below ``n``, as an
+    int64 array ``[rows, size]``: every row drawn with replacement, and each row holding a
+    repeat drawn again whole until none does (rejection: exactly uniform; a row repeats with
+    probability about size²/2n, so a few passes; where size² > n, each row is the head of a
+    permutation instead). ``rng.choice`` exists on both random
+    streams (a legacy ``RandomState`` too) and draws ``rows × size`` at once."""
+    if size * size > n:  # a repeat in most rows: a permutation's head per row instead
+        return np.stack([rng.permutation(n)[:size] for _ in range(rows)]).astype(np.int64)
+    out = np.asarray(rng.choice(n, size=(rows, size)), dtype=np.int64)
+    redo = np.arange(rows)
+    while True:
+        block = np.sort(out[redo], axis=1)
+        redo = redo[(block[:, 1:] == block[:, :-1]).any(axis=1)]
+        if not len(redo):
+            return out
+        out[redo] = rng.choice(n, size=(len(redo), size))
 
 
 @PARTITIONERS.register("dirichlet")

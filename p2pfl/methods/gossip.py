@@ -74,9 +74,13 @@ class Gossip(Rounds):
                 continue  # it was offline through this period's end: nothing to catch up
             yield Wait(until=end)
             arrived = yield Recv(count=len(ctx.peers), deadline=end)
+            merged = bool(arrived)
             if arrived:
                 state = average_states([state] + [m.tensors for m in arrived])
-            if arrived or self.train_idle:
+            # the arrived models are merged: let them go before the training, which waits for
+            # every peer's of this moment (batched), so that no period holds them at its peak
+            del arrived
+            if merged or self.train_idle:
                 state = (yield Train(state, k)).state
             online = yield Neighbours(round=k)  # the graph of period k, if redrawn
             if online:
