@@ -389,3 +389,73 @@ def test_a_peer_without_training_samples_is_scored_as_the_loop_scores_it(fixed):
         for key, value in one.state.items():
             torch.testing.assert_close(other.state[key], value, rtol=1e-4, atol=5e-5)
     assert all(torch.equal(together[3].state[k], init[k]) for k in init)
+
+
+def module_scores(trainer, state, x, y):
+    """What scoring was before the functional path: the state loaded into the template,
+    its forward pass, torch's cross-entropy, 2,048 samples at a time."""
+    model = trainer.module(CPU)
+    model.load_state_dict(state)
+    model.eval()
+    correct, loss = 0, 0.0
+    with torch.no_grad():
+        for i in range(0, len(y), 2048):
+            out = model(x[i : i + 2048])
+            loss += torch.nn.functional.cross_entropy(out, y[i : i + 2048], reduction="sum").item()
+            correct += int((out.argmax(1) == y[i : i + 2048]).sum())
+    return correct / len(y), loss / len(y)
+
+
+@pytest.mark.parametrize(("hidden", "bias"), [([32], True), ([32, 16], False), ([], True)])
+def test_a_plain_mlp_is_scored_to_the_bits_of_its_loaded_template(hidden, bias):
+    """Trainer.evaluate scores a plain MLP as a function of the state (no load_state_dict)
+    and the cross-entropy over the transposed logits: the same accuracy and loss bits."""
+    setup = skewed_setup(hidden, bias)
+    trainer, data = setup.trainer, setup.data
+    assert trainer._plain(trainer.init_state(0), CPU) is not None  # the functional path
+    gen = torch.Generator().manual_seed(1)
+    # 2,100 samples of varied size: two batches, the second not a multiple of 32 rows
+    x = torch.cat([data.test_x] * (2100 // len(data.test_y) + 1))[:2100]
+    x = x * (1 + torch.rand(x.shape, generator=gen))
+    y = torch.cat([data.test_y] * (2100 // len(data.test_y) + 1))[:2100]
+    for scale in (0.1, 1.0, 30.0):
+        state = {
+            k: v + scale * torch.randn(v.shape, generator=gen)
+            for k, v in trainer.init_state(0).items()
+        }
+        for n in (2100, 999, 1):
+            assert trainer.evaluate(state, x[:n], y[:n], CPU) == module_scores(
+                trainer, state, x[:n], y[:n]
+            )
+
+
+def test_a_state_the_template_would_not_take_unchanged_is_scored_through_it():
+    """A state with another dtype, a missing key or a non-contiguous tensor goes through
+    load_state_dict, as before (its cast, its error)."""
+    setup = skewed_setup([16])
+    trainer, data = setup.trainer, setup.data
+    state = trainer.init_state(0)
+    doubled = {k: v.double() for k, v in state.items()}
+    assert trainer._plain(doubled, CPU) is None
+    x, y = data.test_x, data.test_y
+    assert trainer.evaluate(doubled, x, y, CPU) == module_scores(trainer, doubled, x, y)
+    strided = dict(state, **{k: v.t().contiguous().t() for k, v in state.items() if v.dim() == 2})
+    assert trainer._plain(strided, CPU) is None
+    assert trainer.evaluate(strided, x, y, CPU) == module_scores(trainer, state, x, y)
+    with pytest.raises(RuntimeError, match="Missing key"):
+        trainer.evaluate({k: v for k, v in list(state.items())[1:]}, x, y, CPU)
+
+
+@pytest.mark.parametrize("classes", [2, 3, 10, 15, 16, 40])
+def test_the_cross_entropy_sum_has_torchs_bits(classes):
+    """_cross_entropy_sum equals F.cross_entropy(reduction="sum") bit for bit, on the fast
+    path (few classes, where _transposed_ok checked it) and off it."""
+    from p2pfl.learning.training import _cross_entropy_sum
+
+    gen = torch.Generator().manual_seed(classes)
+    for rows in (1, 31, 32, 33, 500, 2048, 2071):
+        for scale in (1e-2, 1.0, 50.0):
+            out = torch.randn(rows, classes, generator=gen) * scale + scale
+            y = torch.randint(classes, (rows,), generator=gen)
+            want = torch.nn.functional.cross_entropy(out, y, reduction="sum").item()
+            assert _cross_entropy_sum(out, y) == want

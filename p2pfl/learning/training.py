@@ -6,6 +6,8 @@ as a CPU ``state_dict`` between its turns, and is loaded into the template for a
 
 from __future__ import annotations
 
+import functools
+import itertools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -151,6 +153,7 @@ class Trainer:
         self.graphs = True  # on CUDA, the loop replays its full-size SGD steps (off: to compare)
         self._full: dict[tuple, _FullBatch] = {}
         self._init: dict[int, State] = {}
+        self._layers: dict[torch.device, tuple[list[tuple[str, str | None]], dict] | None] = {}
 
     def init_state(self, seed: int) -> State:
         """The seeded initial model every peer shares (built once per seed, then copied:
@@ -244,13 +247,52 @@ class Trainer:
     def evaluate(
         self, state: State, x: torch.Tensor, y: torch.Tensor, device: torch.device
     ) -> tuple[float, float]:
-        """Accuracy (fraction) and mean cross-entropy of ``state`` on ``(x, y)``."""
+        """Accuracy (fraction) and mean cross-entropy of ``state`` on ``(x, y)``.
+
+        A plain MLP (:func:`p2pfl.learning.batched.mlp_layers`) is scored as a function of
+        the state's own tensors: the template's forward pass, the same ``F.linear`` and
+        ``relu`` calls on the same values, so the same bits, without ``load_state_dict``'s
+        copies and the modules' calls (a quarter of a 10⁴-peer DFedAvgM round's scoring,
+        docs/performance.md)."""
         start = time.perf_counter()
-        model = self.module(device)
-        model.load_state_dict(state)
-        result = self._score(model, x, y, device)
+        layers = self._plain(state, device)
+        if layers is None:
+            model = self.module(device)
+            model.load_state_dict(state)
+            result = self._score(model, x, y, device)
+        else:
+            result = score(functools.partial(_mlp_forward, layers), x, y, device)
         self.busy_s += time.perf_counter() - start
         return result
+
+    def _plain(
+        self, state: State, device: torch.device
+    ) -> list[tuple[torch.Tensor, torch.Tensor | None]] | None:
+        """The (weight, bias) of each Linear layer of ``state`` on ``device``, where the
+        template is a plain MLP and ``state`` has its keys and each tensor its shape, dtype
+        and contiguous layout (what ``load_state_dict`` would copy in unchanged); else
+        ``None`` (scored through the template, whose errors a bad state then raises)."""
+        if device not in self._layers:
+            from p2pfl.learning.batched import mlp_layers  # batched imports this module
+
+            module = self.module(device)
+            layers = mlp_layers(module)
+            params = {k: (v.shape, v.dtype) for k, v in module.state_dict().items()}
+            self._layers[device] = None if layers is None else (layers, params)
+        known = self._layers[device]
+        if known is None:
+            return None
+        layers, params = known
+        if state.keys() != params.keys():
+            return None
+        for k, v in state.items():
+            if (v.shape, v.dtype) != params[k] or v.layout != torch.strided:
+                return None
+            if not v.is_contiguous():
+                return None
+        return [
+            (state[w].to(device), None if b is None else state[b].to(device)) for w, b in layers
+        ]
 
     @staticmethod
     def _score(
@@ -278,9 +320,79 @@ def score(
     for i in range(0, len(y), batch):
         xb, yb = x[i : i + batch].to(device), y[i : i + batch].to(device)
         out = forward(xb)
-        loss += F.cross_entropy(out, yb, reduction="sum").item()
+        loss += _cross_entropy_sum(out, yb)
         correct += int((out.argmax(1) == yb).sum())
     return correct / max(len(y), 1), loss / max(len(y), 1)
+
+
+def _mlp_forward(
+    layers: list[tuple[torch.Tensor, torch.Tensor | None]], x: torch.Tensor
+) -> torch.Tensor:
+    """A plain MLP's forward pass (``Flatten``, then ``Linear`` + ``ReLU`` blocks, then a
+    ``Linear``) with the given weights: the calls its modules make, in their order."""
+    h = x.flatten(1)
+    for i, (w, b) in enumerate(layers):
+        h = F.linear(h, w, b)
+        if i < len(layers) - 1:
+            h = torch.relu(h)
+    return h
+
+
+def _cross_entropy_sum(out: torch.Tensor, y: torch.Tensor) -> float:
+    """``F.cross_entropy(out, y, reduction="sum").item()``, bit for bit.
+
+    That call is ``nll_loss(log_softmax(out, 1))``; on a CPU torch's kernel for a softmax
+    over the last dimension pays its reductions once per row, 0.15 ms for 1,000 rows of
+    10 classes, more than the rest of a small MLP's scoring but its product. Over the
+    first dimension of the transposed logits it runs across rows, a vector of rows at a
+    time, 5x faster; its sums run in the same order and its ``exp`` and ``log`` are the same
+    vector functions where every row is in a full vector (the rows are padded to a multiple
+    of 32), so the bits are the same. That is checked once per process and shape class
+    (:func:`_transposed_ok`) against torch's own call; where it differs the call is kept."""
+    if (
+        out.device.type != "cpu"
+        or out.dim() != 2
+        or y.dim() != 1
+        or y.dtype != torch.long
+        or not _transposed_ok(out.dtype, out.shape[1])
+    ):
+        return F.cross_entropy(out, y, reduction="sum").item()
+    return F.nll_loss(_log_softmax_rows(out), y, reduction="sum").item()
+
+
+def _log_softmax_rows(out: torch.Tensor) -> torch.Tensor:
+    """``log_softmax(out, 1)`` computed over the first dimension of ``out``'s transpose,
+    its rows padded with zeros to a multiple of 32."""
+    n, c = out.shape
+    t = out.new_zeros(c, n + (-n) % 32)
+    t[:, :n] = out.t()
+    return F.log_softmax(t, 0)[:, :n].t()
+
+
+_TRANSPOSED: dict[tuple[torch.dtype, int], bool] = {}
+
+
+def _transposed_ok(dtype: torch.dtype, classes: int) -> bool:
+    """Whether :func:`_log_softmax_rows` gives ``log_softmax``'s bits for ``classes``
+    classes of ``dtype`` on this CPU and torch build: checked once, on random logits of
+    many scales and row counts (the kernels' order does not depend on the values)."""
+    key = (dtype, classes)
+    if key not in _TRANSPOSED:
+        ok = dtype in (torch.float32, torch.float64) and 1 < classes <= 16
+        if ok:
+            gen = torch.Generator().manual_seed(0)
+            for rows, scale in itertools.product((1, 15, 33, 1000, 2048), (1e-3, 1.0, 30.0, 1e3)):
+                logits = torch.randn(rows, classes, generator=gen, dtype=dtype) * scale
+                labels = torch.randint(classes, (rows,), generator=gen)
+                fast = _log_softmax_rows(logits)
+                want = F.log_softmax(logits, 1)
+                loss = F.nll_loss(fast, labels, reduction="sum")
+                same = F.cross_entropy(logits, labels, reduction="sum")
+                if not (torch.equal(fast, want) and torch.equal(loss, same)):
+                    ok = False
+                    break
+        _TRANSPOSED[key] = ok
+    return _TRANSPOSED[key]
 
 
 class _CpuOptimizer:
