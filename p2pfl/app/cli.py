@@ -16,6 +16,7 @@ before anything is loaded. A sweep may reuse a directory that holds a sweep and 
 from __future__ import annotations
 
 import argparse
+import atexit
 import dataclasses
 import datetime
 import fcntl
@@ -26,6 +27,7 @@ import re
 import shlex
 import signal
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
@@ -302,10 +304,27 @@ def cmd_run(args: argparse.Namespace) -> int:
     world, rank = _world()
     if world > 1 and rank > 0:
         return _helper_rank(args)
-    done = execute(args)
+    from p2pfl.runtime.children import STANDBY, Standby
+
+    with suppress(OSError):  # no fork here: the figure is forked when it is drawn, as before
+        STANDBY["figure"] = Standby(_prepare_figure, "p2pfl-figure")
+    try:
+        done = execute(args)
+    finally:
+        if (ahead := STANDBY.pop("figure", None)) is not None:  # not needed after all
+            ahead.dismiss()
     if done.summary is not None:
         _say(done.summary, done.out)
     return done.code
+
+
+def _prepare_figure() -> None:
+    """What the child that draws a run's ``partition.png`` does while this process imports
+    torch and builds the run (on another core, before it has the counts to draw): import
+    matplotlib, which would take 0.3-1 s once the run had begun."""
+    from p2pfl.reporting.partition import prepare
+
+    prepare()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -821,10 +840,32 @@ def main(argv: list[str] | None = None) -> int:
 def program() -> NoReturn:
     """The ``p2pfl`` program: :func:`main`, then exit. Everything left is frozen out of the
     cyclic collector first (every output is closed by now): the interpreter's last full
-    collection would walk every object torch made, about 0.8 s of each command."""
+    collection would walk every object torch made, about 0.8 s of each command. Then,
+    unless a thread other than daemons is still running, the process ends at once
+    (:func:`os._exit`) after the exit handlers and a flush of its output: the
+    interpreter's teardown (every module emptied, torch's C++ destructors) took another
+    0.1-0.2 s after the last output was written. Output that cannot be flushed (a closed
+    pipe) leaves by the usual exit, which reports it; so does a command run under a
+    profiler or tracer (``python -m cProfile -m p2pfl``: it writes its figures after the
+    program returns)."""
     code = main()
     gc.freeze()
-    sys.exit(code)
+    main_thread = threading.main_thread()
+    running = [t for t in threading.enumerate() if t is not main_thread and not t.daemon]
+    if any(t.is_alive() for t in running) or sys.getprofile() or sys.gettrace():
+        sys.exit(code)
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    except (OSError, ValueError):
+        sys.exit(code)
+    atexit._run_exitfuncs()
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    except (OSError, ValueError):
+        code = 120  # what the interpreter's own exit gives when it cannot flush
+    os._exit(code)
 
 
 def _terminate(signum: int, frame: object) -> None:

@@ -39,10 +39,10 @@ from p2pfl.network.ledger import Ledger, summarize_csv
 from p2pfl.network.peers import save_peers
 from p2pfl.network.topology import Topology, build_topology
 from p2pfl.reporting import matching
-from p2pfl.reporting.partition import save_partition
+from p2pfl.reporting.partition import save_counts, save_partition
 from p2pfl.reporting.progress import time_to_accuracy
 from p2pfl.reporting.reporters import Reporter, open_reporters
-from p2pfl.runtime.children import Forked
+from p2pfl.runtime.children import Forked, take_standby
 from p2pfl.runtime.launcher import NodeFiles, gather, launch
 from p2pfl.runtime.ranks import Ranks
 from p2pfl.runtime.setup import Setup
@@ -232,13 +232,19 @@ _FIGURES = itertools.count()
 def _draw_partition(setup: Setup, out: Path, ranks: Ranks | None) -> Forked | None:
     """``partition.csv`` and ``partition.png``. A command that runs one experiment in one
     process draws them in a forked child while the run goes on: importing matplotlib and
-    drawing take 1-1.5 s, most of a small run's command. Ranks (one per core) draw here,
-    before the run; those above 0 write nothing that is kept."""
+    drawing take 1-1.5 s, most of a small run's command. ``p2pfl run`` forked that child
+    as it started (a :class:`~p2pfl.runtime.children.Standby`), so matplotlib is imported
+    by the time the counts are known; elsewhere it is forked here. Rank 0 of several draws
+    so too: at nice 19 the child takes the cycles the ranks leave idle while they wait on
+    each other, instead of holding every rank up by that long before the run. Ranks above
+    0 draw nothing (rank 0 writes what is kept)."""
     if ranks is not None and ranks.rank > 0:
         return None
-    if ranks is not None or _in_process():
+    if _in_process():
         save_partition(setup.data, out)
         return None
+    if (ahead := take_standby("figure")) is not None:  # forked by p2pfl run as it started
+        return ahead.give(save_counts, setup.data.counts, out)
 
     def draw() -> int:
         os.nice(19)  # only the cycles the run leaves idle: its threads keep their cores

@@ -5,7 +5,9 @@ YAML ``dataset:`` section. Loaders read the raw on-disk formats themselves (IDX,
 python pickles, the SVHN ``.mat`` files), laid out as torchvision expects, because
 torchvision's classes insist on the md5 of the official archives and may try to download.
 scipy is imported only by the loader that needs it (import time); digits reads
-scikit-learn's data file without importing scikit-learn.
+scikit-learn's data file without importing scikit-learn. A gzipped IDX file is inflated
+once per machine: :func:`read_idx` keeps what it read in the user's cache (see
+:func:`cache_dir`), keyed by the compressed file's SHA-256.
 """
 
 from __future__ import annotations
@@ -13,10 +15,14 @@ from __future__ import annotations
 import contextlib
 import functools
 import gzip
+import hashlib
 import importlib.util
+import io
 import math
+import os
 import pickle
 import struct
+import tempfile
 import zlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -230,6 +236,7 @@ def _read_digits() -> Arrays:
 # --- IDX: MNIST, Fashion-MNIST ----------------------------------------------------------
 
 _IDX_DTYPES = {0x08: "u1", 0x09: "i1", 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 0x0E: ">f8"}
+_IDX_DTYPES_SET = frozenset(np.dtype(d) for d in _IDX_DTYPES.values())
 _IDX_FILES = (
     "train-images-idx3-ubyte",
     "train-labels-idx1-ubyte",
@@ -242,25 +249,46 @@ def read_idx(path: Path) -> np.ndarray:
     """Read one IDX file, gzipped or plain; a corrupt or truncated one is a ConfigError.
 
     A gzipped file is streamed: only the bytes its header declares are inflated (a few more
-    show it is too long), so a small file that inflates to gigabytes is never held."""
+    show it is too long), so a small file that inflates to gigabytes is never held. What
+    it inflates to is kept in :func:`cache_dir` under the compressed bytes' SHA-256, so the
+    next read of the same bytes (any path) loads it instead (Fashion-MNIST's training
+    images: 0.2 s of inflating for 0.04 s of hashing and loading)."""
     try:
         with path.open("rb") as f:
             gz = f.read(2) == b"\x1f\x8b"
-        with gzip.open(path, "rb") if gz else path.open("rb") as f:
-            magic = f.read(4)
-            if len(magic) < 4 or magic[:2] != b"\0\0" or magic[2] not in _IDX_DTYPES:
-                raise ConfigError("root", f"{path} is not an IDX file (magic number {magic.hex()})")
-            head = f.read(4 * magic[3])
-            if len(head) < 4 * magic[3]:
-                raise ConfigError("root", f"{path} is truncated (incomplete IDX header)")
-            dims = struct.unpack(f">{magic[3]}I", head)
-            dtype = np.dtype(_IDX_DTYPES[magic[2]])
-            expected = math.prod(dims) * dtype.itemsize
-            chunks, got = [], 0
-            while got < expected and (chunk := f.read(min(expected - got, 1 << 24))):
-                chunks.append(chunk)
-                got += len(chunk)
-            extra = len(f.read(1 << 16))
+        if not gz:
+            with path.open("rb") as f:
+                return _parse_idx(f, path)
+        packed = path.read_bytes()
+    except OSError as e:
+        raise ConfigError("root", f"cannot read {path}: {e}") from None
+    entry = _cache_entry(packed)
+    if entry is not None and (cached := _cached(entry)) is not None:
+        return cached
+    with gzip.GzipFile(fileobj=io.BytesIO(packed), mode="rb") as f:
+        array = _parse_idx(f, path)
+    if entry is not None:
+        _keep(array, entry)
+    return array
+
+
+def _parse_idx(f: Any, path: Path) -> np.ndarray:
+    """The IDX array in the open (possibly gzip) stream ``f``, read from ``path``."""
+    try:
+        magic = f.read(4)
+        if len(magic) < 4 or magic[:2] != b"\0\0" or magic[2] not in _IDX_DTYPES:
+            raise ConfigError("root", f"{path} is not an IDX file (magic number {magic.hex()})")
+        head = f.read(4 * magic[3])
+        if len(head) < 4 * magic[3]:
+            raise ConfigError("root", f"{path} is truncated (incomplete IDX header)")
+        dims = struct.unpack(f">{magic[3]}I", head)
+        dtype = np.dtype(_IDX_DTYPES[magic[2]])
+        expected = math.prod(dims) * dtype.itemsize
+        chunks, got = [], 0
+        while got < expected and (chunk := f.read(min(expected - got, 1 << 24))):
+            chunks.append(chunk)
+            got += len(chunk)
+        extra = len(f.read(1 << 16))
     except (OSError, EOFError, zlib.error) as e:
         raise ConfigError("root", f"cannot read {path}: {e}") from None
     if got != expected or extra:
@@ -271,6 +299,60 @@ def read_idx(path: Path) -> np.ndarray:
             f"for shape {list(dims)}",
         )
     return np.frombuffer(b"".join(chunks), dtype).reshape(dims)
+
+
+CACHE_VERSION = 1
+"""Part of every cache entry's folder name: a change to what an entry holds bumps it."""
+
+
+def cache_dir() -> Path:
+    """p2pfl's folder in the user's cache: ``$XDG_CACHE_HOME/p2pfl`` (an absolute
+    ``XDG_CACHE_HOME``, per the XDG base directory specification), else
+    ``~/.cache/p2pfl``. It only ever holds what can be made again: delete it at will."""
+    xdg = os.environ.get("XDG_CACHE_HOME", "")
+    base = Path(xdg) if os.path.isabs(xdg) else Path.home() / ".cache"
+    return base / "p2pfl"
+
+
+def _cache_entry(packed: bytes) -> Path | None:
+    """Where the array inflated from the gzip bytes ``packed`` is kept (None: no home)."""
+    try:
+        folder = cache_dir() / f"idx-v{CACHE_VERSION}"
+    except RuntimeError:  # no home directory to put it in
+        return None
+    return folder / f"{hashlib.sha256(packed).hexdigest()}.npy"
+
+
+def _cached(entry: Path) -> np.ndarray | None:
+    """The array kept at ``entry``, or None if there is none or it cannot be read whole
+    (it is then made again and replaced)."""
+    try:
+        array = np.load(entry, allow_pickle=False)
+    except (OSError, ValueError, EOFError):
+        return None
+    if not isinstance(array, np.ndarray) or array.dtype not in _IDX_DTYPES_SET:
+        return None
+    return array
+
+
+def _keep(array: np.ndarray, entry: Path) -> None:
+    """Write ``array`` to ``entry`` atomically (a temporary file in the same folder,
+    renamed over it): a reader sees the whole entry or none. A cache that cannot be
+    written (read-only, full) is left alone: the next read inflates again."""
+    tmp: str | None = None
+    try:
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{entry.stem[:16]}-", suffix=".tmp", dir=entry.parent)
+        with os.fdopen(fd, "wb") as f:
+            np.save(f, array, allow_pickle=False)
+        os.replace(tmp, entry)
+        tmp = None
+    except OSError:
+        pass
+    finally:
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
 
 
 def _whole(y: np.ndarray, low: int, high: int) -> bool:

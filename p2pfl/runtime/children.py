@@ -1,5 +1,6 @@
 """Child processes that never outlive the process that started them (peers of a ZeroMQ
-run, ranks of ``--workers``, the figure a run draws meanwhile), whatever kills it.
+run, ranks of ``--workers``, the figure a run draws meanwhile, a :class:`Standby` that
+prepares it), whatever kills it.
 
 Peers and ranks are :class:`Forked` from a process that has already imported torch and
 loaded the data: they share those pages copy-on-write, so a peer costs tens of megabytes and
@@ -14,6 +15,7 @@ import functools
 import gc
 import math
 import os
+import pickle
 import select
 import signal
 import socket
@@ -108,6 +110,79 @@ class Forked:
 
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
+
+
+class Standby(Forked):
+    """A child forked before its work is known (before this process imports torch, say), so
+    that it imports what that work needs, ``prepare()``, on another core meanwhile; it then
+    waits for :meth:`give`. At nice 19: it takes only the cycles this process leaves idle.
+    A standby that is given nothing is :meth:`dismiss`-ed (killed, never reaped late)."""
+
+    def __init__(self, prepare: Callable[[], object], name: str) -> None:
+        self.owner = os.getpid()  # a process forked from the owner holds a copy: not its own
+        self._job, write = os.pipe()
+        super().__init__(functools.partial(_standby, prepare, self._job, write), name)
+        os.close(self._job)
+        self._write: int | None = write
+
+    def give(self, job: Callable[..., object], *args: Any) -> Standby:
+        """Have the child call ``job(*args)`` (both pickled: ``job`` by its name, which the
+        child imports) and exit 0, or 1 with its traceback on stderr if it raises."""
+        assert self._write is not None, "a standby takes one job"
+        message = pickle.dumps((job, args), protocol=pickle.HIGHEST_PROTOCOL)
+        with os.fdopen(self._write, "wb") as pipe:  # a child that died: BrokenPipeError
+            self._write = None
+            with contextlib.suppress(BrokenPipeError):  # then its exit status tells
+                pipe.write(len(message).to_bytes(8, "little") + message)
+        return self
+
+    def dismiss(self) -> None:
+        """End a standby that was given nothing (and reap it)."""
+        if self._write is not None:
+            os.close(self._write)
+            self._write = None
+            self.kill()
+            self.wait()
+
+
+STANDBY: dict[str, Standby] = {}
+"""Standby children by the job they wait for (``figure``: a run's partition figure, forked
+by ``p2pfl run`` as it starts)."""
+
+
+def take_standby(job: str) -> Standby | None:
+    """The standby waiting for ``job``, now this process's to :meth:`Standby.give` (None if
+    there is none, or it is another process's: this one was forked from its owner)."""
+    ahead = STANDBY.get(job)
+    if ahead is None or ahead.owner != os.getpid():
+        return None
+    return STANDBY.pop(job)
+
+
+def _standby(prepare: Callable[[], object], job: int, write: int) -> int:
+    """A :class:`Standby`'s life: read its job on a thread (the pipe drains at once, the
+    giver never blocks) while ``prepare()`` runs; then run it. End of input before a
+    whole job (the giver is gone): exit 0, doing nothing."""
+    os.close(write)
+    os.nice(19)
+    received: list[bytes] = []
+
+    def read() -> None:
+        with os.fdopen(job, "rb") as pipe:
+            size = int.from_bytes(pipe.read(8) or b"\0", "little")
+            message = pipe.read(size) if size else b""
+            if size and len(message) == size:
+                received.append(message)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    prepare()
+    reader.join()
+    if not received:
+        return 0
+    call, args = pickle.loads(received[0])
+    call(*args)
+    return 0
 
 
 def stop(children: Iterable[Forked], grace_s: float) -> None:
