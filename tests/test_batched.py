@@ -70,6 +70,45 @@ def test_the_mlp_path_gives_the_same_bits_whatever_its_group_size(monkeypatch):
             assert all(torch.equal(one.state[k], other.state[k]) for k in one.state)
 
 
+@pytest.mark.parametrize(
+    ("hidden", "partition", "cfg"),
+    [
+        ([16], "iid", TrainConfig(batch_size=27, momentum=0.9, weight_decay=1e-3)),
+        ([24, 8], "iid", TrainConfig(epochs=2, batch_size=23, lr=0.1)),
+        ([], "iid", TrainConfig(batch_size=19, momentum=0.5)),
+        ([16], "dirichlet", TrainConfig(batch_size=200, momentum=0.9)),
+    ],
+)
+def test_mlp_steps_cut_after_the_first_padding_slot_give_the_full_batchs_bits(
+    monkeypatch, hidden, partition, cfg
+):
+    """The hand-written MLP path computes a step's batch up to its widest peer's real rows
+    and one padding slot (Step.trims): the same bits as the full batch size, where every
+    peer's last batch is short (33 samples each: 6, 10 and 14 left over, where torch's
+    sum over a batch adds the rows in another order than over the whole) and where
+    peers' sizes differ."""
+    setup = build(
+        experiment(
+            peers={"count": 40},
+            model={"name": "mlp", "hidden": hidden},
+            partition={"name": partition, "alpha": 0.5, "min_size": 5}
+            if partition == "dirichlet"
+            else {"name": partition},
+        )
+    )
+    init, pool = setup.trainer.init_state(0), batched.DataPool(setup.data.peers)
+    jobs = [batched.Job(init, p, torch_generator(0, "t", p)) for p in range(len(pool.peers))]
+    _, weight, _ = batched.batch_plan(pool, jobs, cfg.batch_size, cfg.epochs)
+    assert ((weight > 0).sum(-1).amax(-1) < cfg.batch_size).any()  # some step is cut
+    trained = {}
+    for trims in (True, False):
+        monkeypatch.setattr(batched._MlpStep, "trims", trims)
+        jobs = [batched.Job(init, p, torch_generator(0, "t", p)) for p in range(len(pool.peers))]
+        trained[trims] = batched.train_batched(setup.trainer.module(CPU), pool, jobs, cfg, CPU)
+    for one, other in zip(trained[True], trained[False], strict=True):
+        assert all(torch.equal(one.state[k], other.state[k]) for k in one.state)
+
+
 @pytest.mark.parametrize("laid_out", [True, False])
 def test_pool_holds_the_data_once_and_leaves_it_unchanged(laid_out):
     """The partition lays the peers' training data end to end, and the pool takes that
