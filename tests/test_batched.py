@@ -498,3 +498,45 @@ def test_the_cross_entropy_sum_has_torchs_bits(classes):
             y = torch.randint(classes, (rows,), generator=gen)
             want = torch.nn.functional.cross_entropy(out, y, reduction="sum").item()
             assert _cross_entropy_sum(out, y) == want
+
+
+def per_peer_plan(pool, jobs, batch_size, epochs):
+    """batch_plan as it was first written, one peer at a time: the reference."""
+    import math
+
+    per_peer = []
+    for job in jobs:
+        n = pool.peers[job.peer].num_train
+        steps = math.ceil(n / batch_size)
+        rows = torch.full((epochs, steps * batch_size), -1, dtype=torch.long)
+        for e in range(epochs):
+            rows[e, :n] = torch.randperm(n, generator=job.generator) + pool.offsets[job.peer]
+        per_peer.append(rows.view(epochs * steps, batch_size))
+    index = torch.full((len(per_peer[0]), len(jobs), batch_size), -1, dtype=torch.long)
+    for p, rows in enumerate(per_peer):
+        index[: len(rows), p] = rows
+    real = index >= 0
+    count = real.sum(-1, keepdim=True)
+    active = (count.squeeze(-1) > 0).sum(-1).tolist()
+    return index.clamp(min=0), real / count.clamp(min=1), active
+
+
+@pytest.mark.parametrize(("batch_size", "epochs"), [(7, 1), (16, 3), (500, 2)])
+def test_batch_plan_places_every_peers_permutations_as_one_peer_at_a_time(batch_size, epochs):
+    """batch_plan scatters every peer's draws at once: the same index, weights and active
+    counts as laying them out peer by peer, from the same generators."""
+    setup = skewed_setup([8])
+    pool = batched.DataPool(setup.data.peers)
+    peers = sorted(range(len(pool.peers)), key=lambda p: -pool.peers[p].num_train)
+    plans = [
+        plan(
+            pool,
+            [batched.Job({}, p, torch_generator(0, "t", p)) for p in peers],
+            batch_size,
+            epochs,
+        )
+        for plan in (batched.batch_plan, per_peer_plan)
+    ]
+    (index, weight, active), (ref_index, ref_weight, ref_active) = plans
+    assert active == ref_active and torch.equal(index, ref_index)
+    assert torch.equal(weight, ref_weight) and weight.dtype == ref_weight.dtype

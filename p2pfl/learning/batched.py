@@ -267,17 +267,27 @@ def batch_plan(
     take it. The orders come from each job's generator exactly as the per-peer loop draws
     them.
     """
-    per_peer = []
-    for job in jobs:
-        n = pool.peers[job.peer].num_train
-        steps = math.ceil(n / batch_size)
-        rows = torch.full((epochs, steps * batch_size), -1, dtype=torch.long)
-        for e in range(epochs):
-            rows[e, :n] = torch.randperm(n, generator=job.generator) + pool.offsets[job.peer]
-        per_peer.append(rows.view(epochs * steps, batch_size))
-    index = torch.full((len(per_peer[0]), len(jobs), batch_size), -1, dtype=torch.long)
-    for p, rows in enumerate(per_peer):
-        index[: len(rows), p] = rows
+    peers = len(jobs)
+    sizes = [pool.peers[job.peer].num_train for job in jobs]
+    steps = [math.ceil(n / batch_size) for n in sizes]
+    # each peer's epochs, one permutation each, drawn in order from its own generator
+    perms = [
+        torch.randperm(n, generator=job.generator)
+        for job, n in zip(jobs, sizes, strict=True)
+        for _ in range(epochs)
+    ]
+    index = torch.full((epochs * steps[0] * peers * batch_size,), -1, dtype=torch.long)
+    if sum(sizes):
+        # where sample i of peer p's epoch e goes: step e·steps_p + i // B, slot i % B
+        lengths = torch.tensor(sizes).repeat_interleave(epochs)
+        segment = torch.arange(peers * epochs).repeat_interleave(lengths)
+        starts = lengths.cumsum(0) - lengths
+        i = torch.arange(len(segment)) - starts[segment]
+        p = segment // epochs
+        step = (segment % epochs) * torch.tensor(steps)[p] + i // batch_size
+        offsets = torch.tensor([pool.offsets[job.peer] for job in jobs])
+        index[(step * peers + p) * batch_size + i % batch_size] = torch.cat(perms) + offsets[p]
+    index = index.view(epochs * steps[0], peers, batch_size)
     real = index >= 0
     count = real.sum(-1, keepdim=True)
     active = (count.squeeze(-1) > 0).sum(-1).tolist()
