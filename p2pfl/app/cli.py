@@ -79,6 +79,12 @@ def parser() -> argparse.ArgumentParser:
         help="train on N local processes (torch.distributed), or run N cells of a sweep at a "
         "time; same results as one",
     )
+    r.add_argument(
+        "--shard",
+        action="store_true",
+        help="with --workers N or torchrun: each rank holds only its own share of the peers' "
+        "models (memory per rank ~ 1/N); same results as one process",
+    )
 
     peer = sub.add_parser("peer", help="run one node of a real (ZeroMQ) run, e.g. on another host")
     _experiment_args(peer)
@@ -352,6 +358,9 @@ def execute(args: argparse.Namespace, sweep: bool | None = None) -> Done:
                 "sweep", f"this is {'' if grid else 'not '}a sweep: use {use}", args.experiment
             )
         spread = _check_workers(args, bool(grid))
+        if args.shard and not spread:
+            why = "a sweep's --workers runs cells side by side" if grid else "add --workers N"
+            raise ConfigError("--shard", f"shards one experiment over ranks: {why}")
         if grid:
             out = output_dir(args.out or f"runs/{raw.get('name', Path(args.experiment).stem)}")
             check_fresh(out, args.force, sweep=True)
@@ -366,8 +375,8 @@ def execute(args: argparse.Namespace, sweep: bool | None = None) -> Done:
         check_fresh(out, args.force)
         setup = _setup(args, args.transport)
         if spread:
-            _check_spread(setup, max(args.workers, _world()[0]))
-        with _ranks(args.workers, threads, setup) as ranks, _claimed(out, args.force):
+            _check_spread(setup, max(args.workers, _world()[0]), args.shard)
+        with _ranks(args.workers, threads, setup, args.shard) as ranks, _claimed(out, args.force):
             summary = run(setup, out, not args.quiet, args.transport, ranks)
     return Done(out, summary, 0)
 
@@ -550,15 +559,48 @@ def _check_host(workers: int) -> None:
         )
 
 
-def _check_spread(setup: Setup, ranks: int) -> None:
+def _check_spread(setup: Setup, ranks: int, shard: bool = False) -> None:
     """A run spread over ``ranks`` needs simulated compute times that every rank agrees on,
-    and a peer for each rank to train (a rank beyond them would only cost memory)."""
+    and a peer for each rank to train (a rank beyond them would only cost memory). A
+    sharded one (``shard``) also needs every model it reads on the rank that reads it, and
+    each rank's share of the models within this host's free memory."""
     if setup.population.compute != "model":  # wall-clock compute differs by rank
         raise ConfigError("--workers", "needs peers.compute: model")
     peers = setup.topology.num_peers
     if ranks > peers:
         key = "--workers" if _world()[0] == 1 else "WORLD_SIZE"
         raise ConfigError(key, f"{ranks} ranks for {peers} peers: at most one rank per peer")
+    if not shard:
+        return
+    every = {
+        "eval.every_s": setup.eval.every_s is not None,  # the run's model, every so often
+        "eval.matching": setup.eval.matching is not None,
+    }
+    for key, used in every.items():
+        if used:
+            raise ConfigError(
+                "--shard", f"{key} needs every peer's model in one process: leave out --shard"
+            )
+    from p2pfl.learning.state import state_bytes
+    from p2pfl.runtime.children import available_memory
+
+    share = -(-peers // ranks)  # the largest share: ceil(peers / ranks)
+    need = SHARD_MODELS * share * state_bytes(setup.init_state())
+    free = available_memory()
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", ranks))
+    if free is not None and need * local > free:
+        raise ConfigError(
+            "--shard",
+            f"each of {local} rank(s) on this host holds up to {share:,} peers' models, about "
+            f"{need / 2**30:.2f} GiB at {SHARD_MODELS} models per peer; {free / 2**30:.2f} GiB "
+            "are free: use more ranks or hosts, or fewer peers",
+        )
+
+
+SHARD_MODELS = 3
+"""Models a sharded rank may hold per peer at once, for ``--shard``'s memory check: the
+peer's own, a message's and a training's (``benchmarks/population.py``: 1.5 × the states
+at the peak in one process)."""
 
 
 NVML_CHECK = "PYTORCH_NVML_BASED_CUDA_CHECK"
@@ -594,7 +636,7 @@ def _fork_safe(workers: int) -> Iterator[int]:
 
 
 @contextmanager
-def _ranks(workers: int, threads: int, setup: Setup) -> Iterator[Ranks | None]:
+def _ranks(workers: int, threads: int, setup: Setup, shard: bool = False) -> Iterator[Ranks | None]:
     """This process's place among the ranks: alone (``None``); a rank that ``torchrun``
     started; or rank 0 of ``--workers N``, which forks the other ranks from the built run
     (they share its torch and data copy-on-write, and start at once), waits for them at the
@@ -605,15 +647,15 @@ def _ranks(workers: int, threads: int, setup: Setup) -> Iterator[Ranks | None]:
     workers_: Workers | None = None
     try:
         if _world()[0] > 1:
-            ranks = Ranks.from_env()
+            ranks = Ranks.from_env(sharded=shard)
         elif workers > 1:
             from p2pfl.runtime.children import Workers, free_port
 
             setup.check_forkable("ranks of --workers")
             env = {"WORLD_SIZE": str(workers), "MASTER_ADDR": "127.0.0.1"}
             env["MASTER_PORT"] = str(free_port())
-            workers_ = Workers(workers, lambda r: _forked_rank(setup, env, r, threads))
-            ranks = Ranks.from_env(env | {"RANK": "0"}, threads)  # as many as the others
+            workers_ = Workers(workers, lambda r: _forked_rank(setup, env, r, threads, shard))
+            ranks = Ranks.from_env(env | {"RANK": "0"}, threads, shard)  # as many as the others
             ranks = dataclasses.replace(ranks, death=workers_.died) if ranks else None
         yield ranks
         if workers_ is not None:
@@ -629,13 +671,15 @@ def _ranks(workers: int, threads: int, setup: Setup) -> Iterator[Ranks | None]:
             ranks.close()
 
 
-def _forked_rank(setup: Setup, env: dict[str, str], rank: int, threads: int) -> int:
+def _forked_rank(
+    setup: Setup, env: dict[str, str], rank: int, threads: int, shard: bool = False
+) -> int:
     """A rank above 0 of ``--workers``, forked from rank 0's built run: train its share,
     write nothing (rank 0 does). Ctrl-C is rank 0's to handle: it stops the ranks."""
     from p2pfl.runtime.ranks import Ranks
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _rank_run(setup, Ranks.from_env(env | {"RANK": str(rank)}, threads))
+    _rank_run(setup, Ranks.from_env(env | {"RANK": str(rank)}, threads, shard))
     return 0
 
 
@@ -647,8 +691,8 @@ def _helper_rank(args: argparse.Namespace) -> int:
 
     _check_workers(args, bool(load(args.experiment, args.sets, args.seed, args.given)[1]))
     setup = _setup(args, "sim")
-    _check_spread(setup, _world()[0])
-    _rank_run(setup, Ranks.from_env())
+    _check_spread(setup, _world()[0], args.shard)
+    _rank_run(setup, Ranks.from_env(sharded=args.shard))
     return 0
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import itertools
+import math
 import os
 import shutil
 import subprocess
@@ -46,6 +47,7 @@ from p2pfl.runtime.children import Forked, take_standby
 from p2pfl.runtime.launcher import NodeFiles, gather, launch
 from p2pfl.runtime.ranks import Ranks
 from p2pfl.runtime.setup import Setup
+from p2pfl.runtime.shards import Shards, is_ghost
 from p2pfl.runtime.sim import SimRuntime
 from p2pfl.runtime.sockets import check_curve_keys
 from p2pfl.runtime.worker import Worker
@@ -277,20 +279,30 @@ def _simulate(
 ) -> tuple[dict[int, Finish], dict[str, float], float, dict[str, Any], dict[str, Any]]:
     """Run every node on one SimPy clock; return finals, baselines, end time, ledger and
     what ended the run (``stop:``: which condition, or ``rounds``; the samples trained)."""
+    shards = None
     if ranks is not None:
-        ranks.agree(_fingerprint(setup.config) + setup.data.counts.tobytes())
+        sharded = b"sharded" if ranks.sharded else b""
+        ranks.agree(_fingerprint(setup.config) + setup.data.counts.tobytes() + sharded)
         ranks.take_gpu(setup.devices)
+        if ranks.sharded:
+            shards = Shards(ranks, setup.topology.num_peers)
     ledger = Ledger(out / "comm.csv", fates=setup.network is not None)
-    worker = Worker(setup, metrics, out, progress, ranks)
+    worker = Worker(setup, metrics, out, progress, ranks, shards)
     runtime = SimRuntime(
         setup.topology, worker, ledger, setup.compression, setup.network,
-        setup.population.uplink, setup.stop, setup.eval.every_s,
+        setup.population.uplink, setup.stop, setup.eval.every_s, shards,
     )  # fmt: skip
     try:
-        behaviours = {n: setup.behaviour(ctx) for n, ctx in setup.contexts().items()}
+        contexts = setup.contexts(shards.mine if shards else None)
+        behaviours = {n: setup.behaviour(ctx) for n, ctx in contexts.items()}
         finals = runtime.run(behaviours)
         worker.settle()
     except Exception as e:
+        if shards is not None and "meta" in str(e):  # an operation read a ghost's values
+            raise RunError(
+                f"at t={runtime.now:.3f}s: {setup.config['algorithm']['name']} cannot run "
+                f"sharded (--shard): it reads another rank's model ({str(e).splitlines()[0]})"
+            ) from e
         if ranks is not None and ranks.rank == 0:  # keep the rows held behind deferred scores
             with contextlib.suppress(Exception):  # the run's own error is the one to report
                 worker.settle(alone=True)
@@ -340,10 +352,22 @@ def _summary_head(setup: Setup) -> dict[str, Any]:
     }
 
 
-def final_state(finals: dict[int, Finish], topology: Topology, start: State | None = None) -> State:
+def final_state(
+    finals: dict[int, Finish],
+    topology: Topology,
+    start: State | None = None,
+    shards: Shards | None = None,
+) -> State:
     """The run's output model: the ``output`` Finish (their mean if several agree to be
-    outputs), else the uniform mean of the peers' final models; ``start`` if none has one
-    (a run stopped before any node finished an iteration), else an error."""
+    outputs), else the uniform mean of the peers' final models (over ``shards``, each
+    rank's from its own peers); ``start`` if none has one (a run stopped before any node
+    finished an iteration), else an error."""
+    if shards is not None and not any(f.output for f in finals.values()):
+        held = [
+            (p, s) for p in topology.peers if p in finals and (s := finals[p].state) is not None
+        ]
+        if held:
+            return shards.average(held)
     outputs = [s for f in finals.values() if f.output and (s := f.state) is not None]
     if not outputs:  # a peer that crashed has no Finish
         outputs = [s for p in topology.peers if p in finals and (s := finals[p].state) is not None]
@@ -365,8 +389,9 @@ def _results(
         return setup.trainer.evaluate(state, setup.data.test_x, setup.data.test_y, device)
 
     start = setup.init_state() if setup.stop else None
-    output = final_state(finals, setup.topology, start)
-    acc, loss = score(output)
+    shards = Shards(ranks, setup.topology.num_peers) if ranks and ranks.sharded else None
+    output = final_state(finals, setup.topology, start, shards)
+    acc, loss = (math.nan, math.nan) if is_ghost(output) else score(output)  # rank 0 holds it
     last_round = setup.method.total_rounds(setup.topology.num_peers)
     metrics.log(now, last_round, "final", "accuracy", acc)
     metrics.log(now, last_round, "final", "loss", loss)
@@ -386,7 +411,9 @@ def _results(
         if ranks is None:
             accs = [score(s)[0] for _, s in scored]
         else:
-            accs = [a[0] for a in ranks.spread(len(scored), 1, lambda i: score(scored[i][1])[:1])]
+            owner = [shards.owner(p) for p, _ in scored] if shards else None
+            job = lambda i: score(scored[i][1])[:1]  # noqa: E731
+            accs = [a[0] for a in ranks.spread(len(scored), 1, job, owner)]
         acc_of = dict(zip([p for p, _ in scored], accs, strict=True))
         per_peer = [{"peer": p, "accuracy": acc_of.get(p)} for p in peers]
     if setup.adversary is not None:

@@ -112,12 +112,16 @@ def run(
     seed: int | None = None,
     transport: str = "sim",
     workers: int = 1,
+    shard: bool = False,
     force: bool = False,
     progress: bool = False,
     **overrides: Any,
 ) -> Result:
-    """Run one experiment (``p2pfl run``); ``progress`` shows its progress bar."""
-    done = _execute(experiment, out, seed, transport, workers, force, progress, overrides, False)
+    """Run one experiment (``p2pfl run``); ``progress`` shows its progress bar; ``shard``
+    (with ``workers`` > 1) gives each rank its own share of the peers' models."""
+    done = _execute(
+        experiment, out, seed, transport, workers, force, progress, overrides, False, shard
+    )
     return Result(done.out)
 
 
@@ -177,11 +181,12 @@ def _execute(
     progress: bool,
     overrides: dict[str, Any],
     sweep: bool,
+    shard: bool = False,
 ) -> cli.Done:
     """:func:`p2pfl.app.cli.execute` on the command line's arguments for these."""
     if transport not in ("sim", "zmq"):
         raise ConfigError("--transport", f"must be sim or zmq, got {transport!r}")
-    options = {"transport": transport, "workers": workers, "force": force}
+    options = {"transport": transport, "workers": workers, "force": force, "shard": shard}
     args = _arguments(experiment, out, seed, overrides, quiet=not progress, **options)
     with _output(args):
         return cli.execute(args, sweep)

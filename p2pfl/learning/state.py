@@ -73,6 +73,8 @@ def average_states(states: Sequence[State], weights: Sequence[float] | None = No
     """
     if not states:
         raise ValueError("average_states needs at least one state")
+    if any(t.is_meta for t in states[0].values()):  # layouts without bytes (a sharded run's
+        return {k: torch.empty_like(v, device="meta") for k, v in states[0].items()}  # ghosts)
     if weights is None:
         weights = [1.0] * len(states)
     if len(weights) != len(states):

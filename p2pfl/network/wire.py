@@ -297,7 +297,10 @@ def _private_copy(t: torch.Tensor) -> torch.Tensor:
     Where ``t`` is a whole CPU storage, the copy is torch's copy-on-write clone
     (``torch._lazy_clone``): the two share their bytes until either is written to, when
     the writer gets its own, so neither ever sees the other's changes, and a message that
-    waits in an inbox costs no second model (issue 38: 10⁴ peers each holding messages)."""
+    waits in an inbox costs no second model (issue 38: 10⁴ peers each holding messages).
+    A ``meta`` tensor (a sharded run's ghost: no bytes to copy) is itself."""
+    if t.is_meta:
+        return t
     if t.is_cpu and not t.requires_grad and t.is_contiguous():
         if _LAZY is not None and t.numel() * t.element_size() >= _LAZY_BYTES and _whole(t):
             try:

@@ -62,9 +62,13 @@ class Ranks:
     death: Callable[[float], str | None] | None = field(default=None, compare=False)
     """Rank 0 of ``--workers``: the line naming a rank that died, waiting up to the given
     seconds for it (a dead rank's connections close a moment before its exit is seen)."""
+    sharded: bool = False
+    """``--shard``: each rank holds only its own peers' models (:mod:`p2pfl.runtime.shards`)."""
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str] = os.environ, threads: int = 0) -> Ranks | None:
+    def from_env(
+        cls, env: Mapping[str, str] = os.environ, threads: int = 0, sharded: bool = False
+    ) -> Ranks | None:
         """Join the run that ``torchrun`` or ``--workers`` described in ``env`` (``RANK``,
         ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``), with ``threads`` threads if
         given; ``None`` for one process."""
@@ -77,7 +81,14 @@ class Ranks:
         before = torch.get_num_threads()
         if threads:
             torch.set_num_threads(threads)
-        return cls(rank, world, before if threads else 0, int(env.get("LOCAL_RANK", rank)))
+        local = int(env.get("LOCAL_RANK", rank))
+        return cls(rank, world, before if threads else 0, local, sharded=sharded)
+
+    def owner(self, node: int, peers: int) -> int:
+        """The rank that holds ``node``'s model in a sharded run: the peers in contiguous
+        blocks, in order (a mean in peer order is then a chain from rank 0 up); a node that
+        is not a peer (the server) on rank 0."""
+        return node * self.world // peers if node < peers else 0
 
     def owners(self, costs: list[float]) -> list[int]:
         """The rank that trains each job: longest first, each to the least-loaded rank
@@ -91,10 +102,16 @@ class Ranks:
         return owner
 
     def exchange(
-        self, starts: list[State], owner: list[int], mine: dict[int, TrainResult]
+        self,
+        starts: list[State],
+        owner: list[int],
+        mine: dict[int, TrainResult],
+        states: bool = True,
     ) -> list[TrainResult]:
         """Every job's result on every rank: ``mine`` holds this rank's jobs; each job's
         trained state has the layout of the state it started from (``starts``).
+        ``states=False`` (a sharded run): only the figures travel; another rank's trained
+        state is a ghost (``meta`` tensors: its layout, no bytes).
 
         Each rank broadcasts its jobs' figures and raw states in turn, in rank order; every
         rank knows every buffer's size from ``owner``, so nothing is padded. On loopback,
@@ -103,12 +120,14 @@ class Ranks:
         jobs = [[j for j in range(len(starts)) if owner[j] == r] for r in range(self.world)]
         buffers = []
         for r, js in enumerate(jobs):
-            size = len(js) * _FIGURE_BYTES + sum(state_bytes(starts[j]) for j in js)
+            size = len(js) * _FIGURE_BYTES
+            if states:
+                size += sum(state_bytes(starts[j]) for j in js)
             if r == self.rank:
-                buffers.append(_pack([mine[j] for j in js], size))
+                buffers.append(_pack([mine[j] for j in js], size, states))
             else:
                 buffers.append(torch.empty(size, dtype=torch.uint8))
-        with self._together():
+        with self.together():
             for r, buffer in enumerate(buffers):
                 if len(buffer):
                     dist.broadcast(buffer, src=r)
@@ -121,7 +140,9 @@ class Ranks:
             offset = head
             for j, (acc, trained, scored, wall, skipped) in zip(js, figures, strict=True):
                 state: State = {}
-                for key, t in starts[j].items():
+                if not states:
+                    state = {k: torch.empty_like(t, device="meta") for k, t in starts[j].items()}
+                for key, t in starts[j].items() if states else ():
                     n = t.numel() * t.element_size()
                     raw = buffers[r][offset : offset + n]
                     state[key] = raw.clone().view(t.dtype).view(t.shape).to(t.device)
@@ -130,17 +151,22 @@ class Ranks:
         return [results[j] for j in range(len(starts))]
 
     def spread(
-        self, n: int, width: int, job: Callable[[int], tuple[float, ...]]
+        self,
+        n: int,
+        width: int,
+        job: Callable[[int], tuple[float, ...]],
+        owner: list[int] | None = None,
     ) -> list[list[float]]:
         """Run ``n`` jobs of equal cost that each return ``width`` floats (evaluations),
-        split across the ranks; every job's floats on every rank."""
-        owner = self.owners([1.0] * n)
+        split across the ranks (or each on its ``owner``); every job's floats on every
+        rank."""
+        owner = self.owners([1.0] * n) if owner is None else owner
         values = torch.zeros(n, width, dtype=torch.float64)
         for j in range(n):
             if owner[j] == self.rank:
                 values[j] = torch.tensor(job(j), dtype=torch.float64)
         gathered = [torch.empty_like(values) for _ in range(self.world)]
-        with self._together():
+        with self.together():
             dist.all_gather(gathered, values)
         return [gathered[owner[j]][j].tolist() for j in range(n)]
 
@@ -151,7 +177,7 @@ class Ranks:
         trainings into rank 0's outputs, or wait for each other until the timeout."""
         mine = torch.frombuffer(bytearray(hashlib.sha256(fingerprint).digest()), dtype=torch.uint8)
         everyone = [torch.empty_like(mine) for _ in range(self.world)]
-        with self._together():
+        with self.together():
             dist.all_gather(everyone, mine)
         differ = [r for r, theirs in enumerate(everyone) if not torch.equal(theirs, everyone[0])]
         if differ:
@@ -162,7 +188,7 @@ class Ranks:
             )
 
     @contextmanager
-    def _together(self) -> Iterator[None]:
+    def together(self) -> Iterator[None]:
         """A collective call: where another rank is gone, a RunError that says which (or
         gloo's reason), so the run's summary names the cause."""
         try:
@@ -250,10 +276,11 @@ def _reason(e: Exception) -> str:
     return text.splitlines()[0][:200] if text else type(e).__name__
 
 
-def _pack(done: list[TrainResult], size: int) -> torch.Tensor:
-    """``done``'s figures (float64), then their states' raw bytes, in one ``size``-byte buffer."""
+def _pack(done: list[TrainResult], size: int, states: bool = True) -> torch.Tensor:
+    """``done``'s figures (float64), then (``states``) their states' raw bytes, in one
+    ``size``-byte buffer."""
     head = len(done) * _FIGURE_BYTES
-    held = head + sum(state_bytes(d.state) for d in done)
+    held = head + (sum(state_bytes(d.state) for d in done) if states else 0)
     if held != size:  # a method's training changed its state's layout
         raise RunError(f"trained states hold {held - head} bytes, their start states {size - head}")
     buffer = torch.empty(size, dtype=torch.uint8)
@@ -266,7 +293,7 @@ def _pack(done: list[TrainResult], size: int) -> torch.Tensor:
             figures, dtype=torch.float64
         )
     offset = head
-    for d in done:
+    for d in done if states else ():
         for t in d.state.values():
             raw = t.detach().to("cpu").contiguous().view(-1).view(torch.uint8)
             buffer[offset : offset + raw.numel()] = raw

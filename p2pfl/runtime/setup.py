@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -24,6 +25,7 @@ from p2pfl.network.topology import Topology
 from p2pfl.reporting.matching import MatchingConfig
 from p2pfl.reporting.progress import check_targets
 from p2pfl.reporting.reporters import check_reporters
+from p2pfl.runtime.shards import ghost
 
 
 @dataclass(frozen=True)
@@ -187,9 +189,15 @@ class Setup:
         """The model every node starts from (seeded by the run's seed)."""
         return self.trainer.init_state(derive_seed(self.seed, "init"))
 
-    def contexts(self) -> dict[int, NodeContext]:
+    def contexts(self, mine: Callable[[int], bool] | None = None) -> dict[int, NodeContext]:
+        """Every node's context. ``mine`` (a sharded run): the nodes whose models this
+        process holds; every other node starts from a ghost of the model (``meta``
+        tensors, :mod:`p2pfl.runtime.shards`)."""
         params = self.trainer.module(torch.device("cpu")).named_parameters()
         trainable = frozenset(name for name, _ in params)
+        ghost_init = (
+            self.init_state if mine is None else functools.partial(ghost, self.init_state())
+        )
         return {
             node: NodeContext(
                 node=node,
@@ -198,7 +206,7 @@ class Setup:
                 if node < self.topology.num_peers
                 else 0,
                 seed=self.seed,
-                init_state=self.init_state,
+                init_state=self.init_state if mine is None or mine(node) else ghost_init,
                 trainable=trainable,
                 compression=self.compression,
             )

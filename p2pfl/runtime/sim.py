@@ -48,6 +48,7 @@ from p2pfl.network.wire import deliver
 from p2pfl.runtime.interpreter import Interpreter
 from p2pfl.runtime.mailbox import describe, matches, take
 from p2pfl.runtime.setup import StopConfig
+from p2pfl.runtime.shards import Shards
 from p2pfl.runtime.train_batcher import TrainBatcher
 from p2pfl.runtime.uplinks import FifoUplinks, InFlight, SharedUplinks, Uplinks
 from p2pfl.runtime.worker import Worker
@@ -66,6 +67,7 @@ class SimRuntime(Interpreter):
         uplink: str = "fifo",
         stop: StopConfig | None = None,
         probe_s: float | None = None,
+        shards: Shards | None = None,
     ) -> None:
         super().__init__()
         self.env = simpy.Environment()
@@ -97,6 +99,7 @@ class SimRuntime(Interpreter):
         self.probe_s = probe_s
         self.keep_latest = stop is not None or probe_s is not None
         self.halted: str | None = None  # why a stop: section ended the run
+        self.shards = shards  # with ``--shard``: the messages that cross ranks
 
     def run(self, behaviours: dict[int, Behaviour]) -> dict[int, Finish]:
         """Drive every node's behaviour to its end; return each node's ``Finish``."""
@@ -292,7 +295,10 @@ class SimRuntime(Interpreter):
         self._send(node, eff)
 
     def recv(self, node: int, eff: Recv) -> Generator[simpy.Event, Any, list[Message]]:
-        return (yield from self._recv(node, eff))
+        got = yield from self._recv(node, eff)
+        if self.shards is not None:
+            self.shards.read(got)
+        return got
 
     def _recv(self, node: int, recv: Recv) -> Generator[simpy.Event, Any, list[Message]]:
         """Take the messages ``recv`` asks for, waiting (once) until they have all arrived
@@ -326,6 +332,8 @@ class SimRuntime(Interpreter):
             self._link(src, eff.dst)  # a fixed graph: sending to a non-neighbour is an error
         msg = Message(eff.kind, src, eff.dst, eff.round, eff.tensors, eff.meta)
         received, size = deliver(msg, choose(self.compression, eff.kind, eff.codec))
+        if self.shards is not None:
+            received = self.shards.sent(received)
         if net is None:
             link, lost, jitter = self._link(src, eff.dst), False, 0.0
         else:
@@ -368,6 +376,8 @@ class SimRuntime(Interpreter):
             self._record(msg, size, sent, now, fate)
             if fate != "delivered":
                 return
+        if self.shards is not None and dst in self.servers:
+            self.shards.read([msg])
         if self.serves(dst, msg):
             return
         self.inbox[dst].append(msg)

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from p2pfl.core.errors import RunError
 from p2pfl.core.seeding import torch_generator
 from p2pfl.learning import batched
 from p2pfl.learning.ensemble import score_ensemble
@@ -31,6 +32,7 @@ from p2pfl.reporting.heatmap import save_heatmap, save_matrix_csv
 from p2pfl.reporting.reporters import Reporter
 from p2pfl.runtime.ranks import Ranks
 from p2pfl.runtime.setup import Setup
+from p2pfl.runtime.shards import Shards
 
 _Group = tuple[TrainConfig, torch.device, float | None]
 """A batched group's key: the trainings' config, device and proximal ``mu``."""
@@ -46,6 +48,7 @@ class Worker:
         out: Path | None = None,
         progress: bool = False,
         ranks: Ranks | None = None,
+        shards: Shards | None = None,
     ) -> None:
         self.trainer = setup.trainer
         self.data = setup.data
@@ -70,11 +73,18 @@ class Worker:
         self._pool: batched.DataPool | None = None
         self._supported: dict[tuple, bool] = {}  # batched.supports/divisible, per config
         self.ranks = ranks
+        self.shards = shards  # with ``--shard``: whose models this rank holds
         self._evals: list[tuple[int, State]] = []  # deferred evaluations (over ranks)
         self._rows: list[tuple[float, int, str, str, float | tuple[int, int]]] = []
 
     def perform(self, node: int, eff: Effect, now: float) -> tuple[Any, float]:
         """Carry out a local effect; return its result and its simulated duration."""
+        if self.shards is not None and isinstance(eff, Train | Compute | Report | Artifact):
+            raise RunError(
+                f"{type(eff).__name__} at once on every rank: a sharded run (--shard) needs "
+                "trainings that it can defer (peers.compute: model, no method-side "
+                "regularizer) and no Compute, Report or Artifact effects; run it without --shard"
+            )
         if isinstance(eff, Train):
             return self.train(node, eff)
         if isinstance(eff, Compute):
@@ -145,7 +155,9 @@ class Worker:
         in one process: then any parts of it, two or more each, train to the same bits as
         the whole (:class:`~p2pfl.runtime.train_batcher.TrainBatcher` computes such a group
         a chunk at a time)."""
-        if self.ranks is not None or len(jobs) < 2 or not self.population.batched:
+        if (self.ranks is not None and self.shards is None) or len(jobs) < 2:
+            return False
+        if not self.population.batched:
             return False
         keys = set()
         for node, eff in jobs:
@@ -182,16 +194,33 @@ class Worker:
             done = self._train_units(jobs, units)
             return [done[i] for i in range(len(jobs))]
         self.settle()
-        unit_owner = self.ranks.owners(
-            [sum(self._flops(*jobs[i]) for i in members) for _, members in units]
-        )
+        if self.shards is not None:
+            unit_owner = [self._owner(jobs, members) for _, members in units]
+        else:
+            unit_owner = self.ranks.owners(
+                [sum(self._flops(*jobs[i]) for i in members) for _, members in units]
+            )
         owner = [0] * len(jobs)
         for (_, members), rank in zip(units, unit_owner, strict=True):
             for i in members:
                 owner[i] = rank
         mine = [u for u, rank in zip(units, unit_owner, strict=True) if rank == self.ranks.rank]
         starts = [eff.state for _, eff in jobs]
-        return self.ranks.exchange(starts, owner, self._train_units(jobs, mine))
+        trained = self._train_units(jobs, mine)
+        return self.ranks.exchange(starts, owner, trained, states=self.shards is None)
+
+    def _owner(self, jobs: list[tuple[int, Train]], members: list[int]) -> int:
+        """The rank that trains a unit of a sharded run: its peers' owner (a batched group
+        whose peers' bits depend on their group would span ranks: refused)."""
+        assert self.shards is not None
+        owners = {self.shards.owner(jobs[i][0]) for i in members}
+        if len(owners) > 1:
+            raise RunError(
+                "a batched group whose peers' bits depend on the group (not "
+                "batched.divisible) spans ranks: run it without --shard or without "
+                "peers.batched"
+            )
+        return owners.pop()
 
     def _units(
         self, jobs: list[tuple[int, Train]], divide: bool = False
@@ -352,7 +381,10 @@ class Worker:
         evals = self._evals
         scores: Sequence[Sequence[float]] = (
             [self._score(*e) for e in evals] if alone
-            else self.ranks.spread(len(evals), 2, lambda i: self._score(*evals[i]))
+            else self.ranks.spread(
+                len(evals), 2, lambda i: self._score(*evals[i]),
+                [self.shards.owner(n) for n, _ in evals] if self.shards else None,
+            )
         )  # fmt: skip
         self._evals = []
         for now, round, peer, metric, value in self._rows:
