@@ -1,8 +1,9 @@
 """What a ``p2pfl run`` command costs besides its run: start-up (imports, data, figure) and exit.
 
 Each case is a whole command as a user types it (one thread unless ``--threads``), timed
-from outside; the run's own ``wall_time_s`` (from ``summary.json``) is taken off, which
-leaves what the command adds.
+from outside, with its CPU seconds (user + system, the children it waited for included);
+the run's own ``wall_time_s`` (from ``summary.json``) is taken off, which leaves what the
+command adds. ``import torch`` alone is the floor of every case that runs.
 ``--against DIR`` times a second checkout (another commit: ``git worktree add DIR REV``) in
 the same loop, alternating with this one, so the two are measured side by side.
 
@@ -12,14 +13,22 @@ the same loop, alternating with this one, so the two are measured side by side.
 from __future__ import annotations
 
 import argparse
+import copy
+import json
 import os
+import resource
 import statistics
+import subprocess
+import sys
 import tempfile
+import time
 from pathlib import Path
 
+import vs_flower
 from common import ROOT, p2pfl_command, report
 
 CASES = {
+    "python -c 'import torch'": ["import torch"],
     "help": ["--help"],
     "quickstart (digits, 10 peers)": ["run", "experiments/quickstart.yaml"],
     "fedavg-fmnist, 1 round (Fashion-MNIST, 10 peers)": [
@@ -32,16 +41,29 @@ CASES = {
         "run", "experiments/fedavg-fmnist.yaml", "--set", "algorithm.rounds=1",
         "--set", "model={name: lenet}",
     ],
+    "the race against Flower (vs_flower.py), --workers 2": [
+        "run", "{race}", "--workers", "2",  # vs_flower.CONFIG, written to a file
+    ],
 }  # fmt: skip
 
 
-def command(checkout: Path, args: list[str], threads: int) -> tuple[float, float]:
-    """One command in ``checkout`` (its own ``p2pfl`` package): its wall time, and its
-    run's ``wall_time_s`` (0 for a command that runs nothing)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp, "out") if args[0] == "run" else None
-        wall, summary = p2pfl_command(args, environment(checkout, threads), out, checkout)
-    return wall, summary["wall_time_s"] if summary else 0.0
+def command(checkout: Path, args: list[str], threads: int) -> tuple[float, float, float]:
+    """One command in ``checkout`` (its own ``p2pfl`` package): its wall time, its run's
+    ``wall_time_s`` (0 for a command that runs nothing) and its CPU seconds. A one-item
+    case is ``python -c`` that item."""
+    env = environment(checkout, threads)
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if len(args) == 1:
+        start = time.perf_counter()
+        subprocess.run([sys.executable, "-c", args[0]], env=env, cwd=checkout, check=True)
+        wall, summary = time.perf_counter() - start, None
+    else:
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(tmp, "out") if args[0] == "run" else None
+            wall, summary = p2pfl_command(args, env, out, checkout)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
+    return wall, summary["wall_time_s"] if summary else 0.0, cpu
 
 
 def environment(checkout: Path, threads: int) -> dict[str, str]:
@@ -60,24 +82,34 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads (0: one per core)")
     args = parser.parse_args()
     checkouts = {"this": ROOT} | ({"against": args.against.resolve()} if args.against else {})
-    times: dict[tuple[str, str], list[tuple[float, float]]] = {}
+    config = copy.deepcopy(vs_flower.CONFIG)
+    config["peers"]["batched"] = True
+    times: dict[tuple[str, str], list[tuple[float, float, float]]] = {}
     load_before = os.getloadavg()
-    for _ in range(args.repeats):
-        for case, cmd in CASES.items():
-            for name, checkout in checkouts.items():
-                times.setdefault((case, name), []).append(command(checkout, cmd, args.threads))
+    with tempfile.TemporaryDirectory() as tmp:
+        race = Path(tmp, "race.yaml")
+        race.write_text(json.dumps(config))  # JSON is YAML
+        for _ in range(args.repeats):
+            for case, cmd in CASES.items():
+                cmd = [a.replace("{race}", str(race)) for a in cmd]
+                for name, checkout in checkouts.items():
+                    sample = command(checkout, cmd, args.threads)
+                    times.setdefault((case, name), []).append(sample)
     rows = []
     for (case, name), runs in times.items():
-        wall = statistics.median(w for w, _ in runs)
-        run = statistics.median(r for _, r in runs)
-        this = statistics.median(w for w, _ in times[case, "this"])
-        rows.append([case, name, wall, run, wall - run, wall / this])
+        wall = statistics.median(w for w, _, _ in runs)
+        run = statistics.median(r for _, r, _ in runs)
+        cpu = statistics.median(c for _, _, c in runs)
+        least = min(w for w, _, _ in runs)
+        this = statistics.median(w for w, _, _ in times[case, "this"])
+        rows.append([case, name, wall, least, cpu, run, wall - run, wall / this])
     extra = {
         "repeats": args.repeats, "against": str(args.against), "threads": args.threads,
         "load_before": load_before,
         "load_after": os.getloadavg(),
     }  # fmt: skip
-    columns = ["case", "checkout", "command_s", "run_s", "added_s", "command_vs_this"]
+    columns = ["case", "checkout", "command_s", "least_command_s", "cpu_s", "run_s", "added_s",
+               "command_vs_this"]  # fmt: skip
     report("startup", columns, rows, extra)
 
 

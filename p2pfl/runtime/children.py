@@ -115,8 +115,10 @@ class Forked:
 class Standby(Forked):
     """A child forked before its work is known (before this process imports torch, say), so
     that it imports what that work needs, ``prepare()``, on another core meanwhile; it then
-    waits for :meth:`give`. At nice 19: it takes only the cycles this process leaves idle.
-    A standby that is given nothing is :meth:`dismiss`-ed (killed, never reaped late)."""
+    waits for :meth:`give`. It does the work at nice 19, taking only the cycles this process
+    leaves idle (preparing, it competes as this process would: it must be ready by the
+    time the work comes). A standby that is given nothing is :meth:`dismiss`-ed (killed,
+    never reaped late)."""
 
     def __init__(self, prepare: Callable[[], object], name: str) -> None:
         self.owner = os.getpid()  # a process forked from the owner holds a copy: not its own
@@ -164,7 +166,6 @@ def _standby(prepare: Callable[[], object], job: int, write: int) -> int:
     giver never blocks) while ``prepare()`` runs; then run it. End of input before a
     whole job (the giver is gone): exit 0, doing nothing."""
     os.close(write)
-    os.nice(19)
     received: list[bytes] = []
 
     def read() -> None:
@@ -180,6 +181,7 @@ def _standby(prepare: Callable[[], object], job: int, write: int) -> int:
     reader.join()
     if not received:
         return 0
+    os.nice(19)
     call, args = pickle.loads(received[0])
     call(*args)
     return 0
