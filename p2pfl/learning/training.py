@@ -334,7 +334,7 @@ def _mlp_forward(
     for i, (w, b) in enumerate(layers):
         h = F.linear(h, w, b)
         if i < len(layers) - 1:
-            h = torch.relu(h)
+            h = h.relu_()  # ReLU's values, in the product's own memory (no second copy)
     return h
 
 
