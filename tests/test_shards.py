@@ -11,6 +11,7 @@ from test_ranks import RING, exp_file, outputs, spread
 
 import p2pfl.app.experiment as experiment
 import p2pfl.runtime.children as children
+import p2pfl.runtime.worker as worker
 from p2pfl.app.cli import main
 from p2pfl.learning.state import state_bytes
 from p2pfl.runtime.shards import Shards, is_ghost
@@ -161,3 +162,20 @@ def test_a_share_that_does_not_fit_in_memory_is_one_error_line(tmp_path, capsys,
     )
     assert "0.29 GiB are free" in err
     assert not out.exists()
+
+
+def test_scores_held_behind_a_bounded_number_of_evaluations_keep_the_rows_in_order(
+    tmp_path, monkeypatch
+):
+    """Over ranks, deferred scores are settled every ``HELD_EVALS · world`` evaluations
+    (here each one: the ranks are forked with the patched bound), not only at the next
+    flush: the rows are still written in the order of one process."""
+    if torch.cuda.device_count():
+        pytest.skip("on a GPU host the ranks run in fresh processes, without the patch")
+    monkeypatch.setattr(worker, "HELD_EVALS", 1)
+    exp = exp_file(tmp_path, **RING)
+    assert spread(exp, tmp_path / "one", 1) == 0
+    assert spread(exp, tmp_path / "two", 2) == 0
+    assert spread(exp, tmp_path / "three", 3, "--shard") == 0
+    one = outputs(tmp_path / "one")
+    assert outputs(tmp_path / "two") == one and outputs(tmp_path / "three") == one

@@ -34,6 +34,11 @@ from p2pfl.runtime.ranks import Ranks
 from p2pfl.runtime.setup import Setup
 from p2pfl.runtime.shards import Shards
 
+HELD_EVALS = 128
+"""Over ranks, the deferred evaluations held per rank before they are scored without waiting
+for the next flush (each holds a copy of its model: 10⁴ peers scored after their last
+training would hold a second population of models until the end)."""
+
 _Group = tuple[TrainConfig, torch.device, float | None]
 """A batched group's key: the trainings' config, device and proximal ``mu``."""
 
@@ -338,6 +343,8 @@ class Worker:
             self._evals.append((node, {k: v.clone() for k, v in eff.state.items()}))
             self._log(now, eff.round, name, "accuracy", (len(self._evals) - 1, 0))
             self._log(now, eff.round, name, "loss", (len(self._evals) - 1, 1))
+            if len(self._evals) >= HELD_EVALS * self.ranks.world:
+                self.settle()  # every rank at this same point: the copies held stay bounded
             return None
         acc, loss = self._score(node, eff.state)
         self._log(now, eff.round, name, "accuracy", acc)
