@@ -327,7 +327,11 @@ def _train_group(
         names = [name for name, _ in module.named_parameters()]
         anchor = {k: torch.stack([a[k] for a in anchors]).to(device) for k in names}
     slots = step.slots(cfg)
-    moments = {s: {k: torch.zeros_like(v) for k, v in stacked.items()} for s in slots}
+    # the MLP path's first step sets every momentum buffer (SGD's first step ignores what
+    # it held: torch.mul(out=), baddbmm_ with beta 0), so they need no zeros; a fixed step
+    # also moves the peers that took no first step
+    blank = torch.empty_like if isinstance(step, _MlpStep) and not fixed else torch.zeros_like
+    moments = {s: {k: blank(v) for k, v in stacked.items()} for s in slots}
     best = _BestEpoch(module, pool, ranked, cfg, device)
     whole = _Fixed(step, stacked, moments, (x_all, y_all), shape, cfg) if fixed else None
     final = {k: v.clone() for k, v in stacked.items()} if whole is not None else stacked
