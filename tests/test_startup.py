@@ -11,6 +11,7 @@ import os
 import struct
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +20,7 @@ import yaml
 
 from conftest import BASE, ROOT
 from p2pfl.data.datasets import CACHE_VERSION, cache_dir, read_idx
+from p2pfl.runtime.children import STANDBY, Standby, take_standby
 
 HEAVY = ("matplotlib", "pandas", "sklearn", "scipy", "torchvision", "tensorboard", "PIL")
 """Libraries a run itself never uses: plots, tables, other datasets' formats."""
@@ -179,3 +181,42 @@ def test_the_cache_is_the_users_own(tmp_path, monkeypatch):
         assert cache_dir() == tmp_path / "home" / ".cache" / "p2pfl"
     monkeypatch.delenv("XDG_CACHE_HOME")
     assert cache_dir() == tmp_path / "home" / ".cache" / "p2pfl"
+
+
+# --- a child forked before its work is known ---------------------------------------------
+
+
+def test_a_standby_does_the_job_it_is_given_and_fails_as_it_does(tmp_path):
+    """The job reaches the child after it was forked (by name, with its arguments); the
+    child's exit status is the job's outcome, as a forked figure's is."""
+    prepared = tmp_path / "prepared"
+    done = Standby(lambda: prepared.write_text("ready"), "p2pfl-test").give(
+        Path.write_text,
+        tmp_path / "job",
+        "x" * 100_000,  # more than a pipe holds
+    )
+    assert done.wait(60) == 0
+    assert prepared.read_text() == "ready" and (tmp_path / "job").read_text() == "x" * 100_000
+    failed = Standby(lambda: None, "p2pfl-test").give(os.rmdir, str(tmp_path / "missing"))
+    assert failed.wait(60) == 1
+
+
+def test_a_standby_given_nothing_is_ended_and_reaped():
+    ahead = Standby(lambda: time.sleep(60), "p2pfl-test")
+    start = time.monotonic()
+    ahead.dismiss()
+    assert ahead.returncode is not None and time.monotonic() - start < 10
+    with pytest.raises(ChildProcessError):
+        os.waitpid(ahead.pid, os.WNOHANG)  # reaped: no zombie left
+
+
+def test_a_standby_is_taken_once_and_only_by_its_owner(monkeypatch):
+    ahead = Standby(lambda: None, "p2pfl-test")
+    try:
+        monkeypatch.setitem(STANDBY, "figure", ahead)
+        monkeypatch.setattr(ahead, "owner", os.getpid() + 1)  # as in a process forked from it
+        assert take_standby("figure") is None and STANDBY["figure"] is ahead
+        monkeypatch.setattr(ahead, "owner", os.getpid())
+        assert take_standby("figure") is ahead and take_standby("figure") is None
+    finally:
+        ahead.dismiss()
