@@ -13,8 +13,8 @@ import p2pfl.app.experiment as experiment
 import p2pfl.runtime.children as children
 import p2pfl.runtime.worker as worker
 from p2pfl.app.cli import main
-from p2pfl.learning.state import state_bytes
-from p2pfl.runtime.shards import Shards, is_ghost
+from p2pfl.learning.state import is_ghost, state_bytes
+from p2pfl.runtime.shards import Shards
 
 GOSSIP = {
     "topology": {"kind": "random_regular", "d": 3},

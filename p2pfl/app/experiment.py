@@ -31,7 +31,7 @@ from p2pfl.core.seeding import derive_seed
 from p2pfl.data.datasets import load_dataset
 from p2pfl.data.federated import make_federated_data
 from p2pfl.learning.batched import unbatchable
-from p2pfl.learning.state import average_states
+from p2pfl.learning.state import average_states, is_ghost
 from p2pfl.learning.training import Trainer, resolve_device
 from p2pfl.methods.attacks import build_adversary
 from p2pfl.methods.effects import Finish, State
@@ -47,7 +47,7 @@ from p2pfl.runtime.children import Forked, take_standby
 from p2pfl.runtime.launcher import NodeFiles, gather, launch
 from p2pfl.runtime.ranks import Ranks
 from p2pfl.runtime.setup import Setup
-from p2pfl.runtime.shards import Shards, is_ghost
+from p2pfl.runtime.shards import Shards
 from p2pfl.runtime.sim import SimRuntime
 from p2pfl.runtime.sockets import check_curve_keys
 from p2pfl.runtime.worker import Worker

@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from p2pfl.core.errors import RunError
-from p2pfl.learning.state import State, state_bytes
+from p2pfl.learning.state import State, ghost, state_bytes
 from p2pfl.learning.training import TrainResult
 from p2pfl.runtime.children import JOIN_ENV, join_timeout
 
@@ -141,7 +141,7 @@ class Ranks:
             for j, (acc, trained, scored, wall, skipped) in zip(js, figures, strict=True):
                 state: State = {}
                 if not states:
-                    state = {k: torch.empty_like(t, device="meta") for k, t in starts[j].items()}
+                    state = ghost(starts[j])
                 for key, t in starts[j].items() if states else ():
                     n = t.numel() * t.element_size()
                     raw = buffers[r][offset : offset + n]

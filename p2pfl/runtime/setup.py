@@ -14,6 +14,7 @@ from p2pfl.core.errors import ConfigError, RunError
 from p2pfl.core.options import bind
 from p2pfl.core.seeding import derive_seed
 from p2pfl.data.federated import FederatedData
+from p2pfl.learning.state import ghost
 from p2pfl.learning.training import TrainConfig, Trainer, resolve_device
 from p2pfl.methods.attacks import Adversary, attacked
 from p2pfl.methods.base import Method, NodeContext
@@ -25,7 +26,6 @@ from p2pfl.network.topology import Topology
 from p2pfl.reporting.matching import MatchingConfig
 from p2pfl.reporting.progress import check_targets
 from p2pfl.reporting.reporters import check_reporters
-from p2pfl.runtime.shards import ghost
 
 
 @dataclass(frozen=True)

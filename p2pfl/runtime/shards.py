@@ -36,18 +36,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from p2pfl.learning.state import State
+from p2pfl.learning.state import State, ghost
 from p2pfl.network.message import Message
 from p2pfl.runtime.ranks import Ranks
-
-
-def ghost(state: State) -> State:
-    """``state``'s layout without its bytes (``meta`` tensors)."""
-    return {k: torch.empty_like(t, device="meta") for k, t in state.items()}
-
-
-def is_ghost(state: State | None) -> bool:
-    return state is not None and any(t.is_meta for t in state.values())
 
 
 class Shards:
