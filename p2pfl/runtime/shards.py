@@ -127,19 +127,23 @@ class Shards:
         layout = states[0][1]
         share = 1.0 / float(len(states))
         sizes = [t.numel() for t in layout.values()]
-        acc = torch.zeros(sum(sizes), dtype=torch.float64)
+        acc = torch.zeros(sum(sizes), dtype=torch.float64)  # on the CPU between ranks
         world, rank = self.ranks.world, self.rank
+        mine = [s for (_, s), owner in zip(states, owners, strict=True) if owner == rank]
+        device = next(iter(mine[0].values())).device if mine else acc.device
         with self.ranks.together():
             if rank > 0:
                 dist.recv(acc, rank - 1)
-            views = dict(zip(layout, acc.split(sizes), strict=True))
-            for (_, state), owner in zip(states, owners, strict=True):
-                if owner == rank:
-                    for k, v in state.items():
-                        views[k].view(v.shape).add_(v, alpha=share)
+            summed = acc.to(device)  # summed where the models are, as average_states does
+            views = dict(zip(layout, summed.split(sizes), strict=True))
+            for state in mine:
+                for k, v in state.items():
+                    views[k].view(v.shape).add_(v, alpha=share)
+            acc = summed.cpu()
             if rank < world - 1:
                 dist.send(acc, rank + 1)
             dist.broadcast(acc, world - 1)
+        views = dict(zip(layout, acc.split(sizes), strict=True))
         out: State = {}
         for k, v in layout.items():
             a = views[k].view(v.shape)
