@@ -77,6 +77,8 @@ def test_the_mlp_path_gives_the_same_bits_whatever_its_group_size(monkeypatch):
         ([24, 8], "iid", TrainConfig(epochs=2, batch_size=23, lr=0.1)),
         ([], "iid", TrainConfig(batch_size=19, momentum=0.5)),
         ([16], "dirichlet", TrainConfig(batch_size=200, momentum=0.9)),
+        ([16], "iid", TrainConfig(batch_size=31, momentum=0.9)),  # 2 left over
+        ([24, 8], "iid", TrainConfig(batch_size=30)),  # 3 left over
     ],
 )
 def test_mlp_steps_cut_after_the_first_padding_slot_give_the_full_batchs_bits(
@@ -101,12 +103,16 @@ def test_mlp_steps_cut_after_the_first_padding_slot_give_the_full_batchs_bits(
     _, weight, _ = batched.batch_plan(pool, jobs, cfg.batch_size, cfg.epochs)
     assert ((weight > 0).sum(-1).amax(-1) < cfg.batch_size).any()  # some step is cut
     trained = {}
-    for trims in (True, False):
+    for trims, group in ((False, 32), (True, 32), (True, 1), (True, 3)):
         monkeypatch.setattr(batched._MlpStep, "trims", trims)
+        monkeypatch.setattr(batched, "MLP_GROUP", group)  # a peer's batch alone: 1-3 rows
         jobs = [batched.Job(init, p, torch_generator(0, "t", p)) for p in range(len(pool.peers))]
-        trained[trims] = batched.train_batched(setup.trainer.module(CPU), pool, jobs, cfg, CPU)
-    for one, other in zip(trained[True], trained[False], strict=True):
-        assert all(torch.equal(one.state[k], other.state[k]) for k in one.state)
+        trained[trims, group] = batched.train_batched(
+            setup.trainer.module(CPU), pool, jobs, cfg, CPU
+        )
+    for key in ((True, 32), (True, 1), (True, 3)):
+        for one, other in zip(trained[False, 32], trained[key], strict=True):
+            assert all(torch.equal(one.state[k], other.state[k]) for k in one.state)
 
 
 @pytest.mark.parametrize("laid_out", [True, False])

@@ -339,7 +339,12 @@ def _train_group(
     # (Step.trims) computes one of them, after the widest peer's real rows, for the rest
     widths = [cfg.batch_size] * len(active)
     if step.trims and whole is None:
-        widths = [min(n + 1, cfg.batch_size) for n in (weight > 0).sum(-1).amax(-1).tolist()]
+        dims = [tuple(stacked[w].shape[1:]) for w, _ in step.layers]  # type: ignore[attr-defined]
+        widths = [
+            n + 1 if n + 1 < cfg.batch_size and _cut_ok(dims, n + 1, cfg.batch_size, device)
+            else cfg.batch_size
+            for n in (weight > 0).sum(-1).amax(-1).tolist()
+        ]  # fmt: skip
     with torch.no_grad():
         best.before(stacked)
         for t, k in enumerate(active):
@@ -373,6 +378,40 @@ def _train_group(
     for i, result in zip(order, trained, strict=True):
         out[i] = result
     return out
+
+
+_CUT: dict[tuple, bool] = {}
+
+
+def _cut_ok(dims: list[tuple[int, ...]], width: int, batch: int, device: torch.device) -> bool:
+    """Whether an MLP step's products give a batch's rows the same bits when the batch is
+    ``width`` rows as when it is ``batch`` (``dims``: each layer's ``(out, in)``): each
+    layer's forward and backward products row by row, and its weight gradient over the
+    rows, the rows past ``width`` holding exact (signed) zeros. Checked once per shape on
+    random values, the kernels' order not depending on them: on a CPU, torch's batched
+    products take another path for 1-3 rows, whose sums differ (so such widths are not
+    cut)."""
+    key = (tuple(dims), width, batch, device)
+    if key not in _CUT:
+        gen = torch.Generator().manual_seed(width)
+        ok = True
+        for out, inp in dims:
+            x = torch.rand(2, batch, inp, generator=gen).to(device)
+            w = torch.randn(2, out, inp, generator=gen).to(device)
+            g = torch.randn(2, batch, out, generator=gen).to(device)
+            g[:, width:] *= 0.0  # signed zeros, as a padding slot's gradient
+            cut = g[:, :width]
+            buf = torch.empty(2, out, inp, device=device)
+            ok = ok and (
+                torch.equal((x @ w.transpose(1, 2))[:, :width], x[:, :width] @ w.transpose(1, 2))
+                and torch.equal((g @ w)[:, :width], cut @ w)
+                and torch.equal(
+                    buf.baddbmm(g.transpose(1, 2), x, beta=0.0),
+                    buf.baddbmm(cut.transpose(1, 2), x[:, :width], beta=0.0),
+                )
+            )
+        _CUT[key] = ok
+    return _CUT[key]
 
 
 class _Fixed:
