@@ -64,6 +64,12 @@ def test_run_gives_the_command_lines_run_and_overrides_are_set(tmp_path, cli_qui
     assert result.availability.empty  # no churn
 
 
+def test_shard_gives_the_command_lines_sharded_run(tmp_path, cli_quickstart):
+    """``workers=2, shard=True`` is ``--workers 2 --shard``: one process's outputs."""
+    result = p2pfl.run(QUICKSTART, out=tmp_path / "api", workers=2, shard=True, algorithm__rounds=2)
+    assert_same_run(result, cli_quickstart)
+
+
 def test_a_dict_and_yaml_text_give_what_the_file_gives(tmp_path, cli_quickstart, monkeypatch):
     """Their relative paths are found from the current directory; a dotted key passed as
     ``**{"a.b": v}`` is the same override; ``out=None`` is a fresh temporary directory,
