@@ -10,7 +10,10 @@ figure is its own:
 - ``scale``: ``benchmarks/scale.py``'s DFedAvgM (ring, Dirichlet(0.5), MLP 784-200-10, a
   636,040-byte state): the 1,000-peer figure that must not get slower;
 - ``gossip``: gossip learning with multinomial logistic regression (a 31,400-byte state) on
-  a random 4-regular graph, Fashion-MNIST IID, 10 periods, the same evaluation.
+  a random 4-regular graph, 10 periods, the same evaluation; each peer draws 5 distinct
+  Fashion-MNIST images of its own (``partition: {name: iid, samples_per_peer: 5, replace:
+  true}``), so every population size does the same work per peer, up to 100,000 peers from
+  60,000 images.
 
 Each child builds the run (``rss_setup``: the interpreter, torch and the data), runs the
 simulation (``_simulate``: the run as ``summary.json``'s ``wall_time_s`` counts it, without
@@ -27,8 +30,14 @@ and the exponent ``k`` of ``c·N^k`` (1.0: linear growth).
 ``git worktree`` of an older revision), interleaved with this tree's, so before and after are
 measured side by side under the same load.
 
+``--mmap-threshold BYTES`` runs the children with glibc's ``MALLOC_MMAP_THRESHOLD_``: blocks
+above it are mapped on their own and given back when freed, so short-lived buffers (gossip's
+float64 averages, twice a logistic-regression state) do not fragment the heap that the
+states live in.
+
     OMP_NUM_THREADS=1 python benchmarks/population.py [--workload dfedavgm] \
-        [--peers 1000 2000 3000 5000 10000] [--base /tmp/wt-old] [--name population]
+        [--peers 1000 2000 3000 5000 10000] [--base /tmp/wt-old] [--name population] \
+        [--mmap-threshold 49152]
 """
 
 from __future__ import annotations
@@ -79,7 +88,10 @@ WORKLOADS: dict[str, dict[str, Any]] = {
         "name": "population-gossip",
         "seed": 0,
         "dataset": {"name": "fashion_mnist", "test_subset": 1000},
-        "partition": {"name": "iid"},
+        # each peer draws 5 distinct images to train on (what IID gives at 10^4 peers), the
+        # peers independently: the same work per peer at any N, 10^5 peers from 60,000
+        # images; no validation split (gossip trains with select: last, never reads it)
+        "partition": {"name": "iid", "samples_per_peer": 5, "replace": True, "val_fraction": 0},
         "model": {"name": "mlp", "hidden": []},  # logreg (older trees lack its name)
         "topology": {"kind": "random_regular", "d": 4},
         "peers": {"count": 1000, "batched": True},
@@ -201,6 +213,15 @@ def main() -> None:
     parser.add_argument(
         "--name", default=None, help="results/NAME.json (default: population-WORKLOAD)"
     )
+    parser.add_argument(
+        "--mmap-threshold",
+        type=int,
+        default=None,
+        metavar="BYTES",
+        help="run the children with MALLOC_MMAP_THRESHOLD_=BYTES (glibc: larger blocks are "
+        "mapped and returned when freed; gossip: 49152, above a logreg state, below its "
+        "float64 average)",
+    )
     parser.add_argument("--child", nargs=2, metavar=("WORKLOAD", "PEERS"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -209,6 +230,8 @@ def main() -> None:
     here = Path(__file__).resolve().parents[1]
     trees = {"this": here} | ({"base": args.base.resolve()} if args.base else {})
     env = os.environ | {"OMP_NUM_THREADS": str(args.threads)}
+    if args.mmap_threshold is not None:
+        env["MALLOC_MMAP_THRESHOLD_"] = str(args.mmap_threshold)
     runs: dict[str, list[dict[str, Any]]] = {t: [] for t in trees}
     loads = {"before": os.getloadavg()}
     for n in args.peers:
@@ -265,7 +288,8 @@ def main() -> None:
     columns = ["tree", "peers", "wall_s", "cpu_s", "setup_gib", "live_gib", "peak_gib",
                "goal_gib", "live_per_state", "peak_per_state", "load", "metrics_crc"]  # fmt: skip
     extra = {"workload": WORKLOADS[args.workload], "runs": runs, "fits": fits, "loads": loads,
-             "trees": {k: str(v) for k, v in trees.items()}}  # fmt: skip
+             "trees": {k: str(v) for k, v in trees.items()},
+             "malloc_mmap_threshold": args.mmap_threshold}  # fmt: skip
     report(args.name or f"population-{args.workload}", columns, rows, extra)
     print(f"load average before {loads['before']}, after {loads['after']}")
 
