@@ -8,6 +8,7 @@ command adds. ``import torch`` alone is the floor of every case that runs.
 the same loop, alternating with this one, so the two are measured side by side.
 
     .venv/bin/python benchmarks/startup.py [--repeats 3] [--against DIR] [--threads 0]
+        [--cases WORD ...]
 """
 
 from __future__ import annotations
@@ -80,7 +81,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--against", type=Path, help="a second checkout, timed alongside")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (0: one per core)")
+    parser.add_argument("--cases", nargs="+", help="only the cases whose name holds one of these")
     args = parser.parse_args()
+    cases = {
+        name: cmd for name, cmd in CASES.items()
+        if not args.cases or any(word in name for word in args.cases)
+    }  # fmt: skip
     checkouts = {"this": ROOT} | ({"against": args.against.resolve()} if args.against else {})
     config = copy.deepcopy(vs_flower.CONFIG)
     config["peers"]["batched"] = True
@@ -90,7 +96,7 @@ def main() -> None:
         race = Path(tmp, "race.yaml")
         race.write_text(json.dumps(config))  # JSON is YAML
         for _ in range(args.repeats):
-            for case, cmd in CASES.items():
+            for case, cmd in cases.items():
                 cmd = [a.replace("{race}", str(race)) for a in cmd]
                 for name, checkout in checkouts.items():
                     sample = command(checkout, cmd, args.threads)
