@@ -475,8 +475,8 @@ def test_a_plain_mlp_is_scored_to_the_bits_of_its_loaded_template(hidden, bias):
 
 
 def test_a_state_the_template_would_not_take_unchanged_is_scored_through_it():
-    """A state with another dtype, a missing key or a non-contiguous tensor goes through
-    load_state_dict, as before (its cast, its error)."""
+    """A state with another dtype, a missing key, a non-contiguous or a misaligned tensor
+    goes through load_state_dict, as before (its cast, its copy, its error)."""
     setup = skewed_setup([16])
     trainer, data = setup.trainer, setup.data
     state = trainer.init_state(0)
@@ -487,6 +487,14 @@ def test_a_state_the_template_would_not_take_unchanged_is_scored_through_it():
     strided = dict(state, **{k: v.t().contiguous().t() for k, v in state.items() if v.dim() == 2})
     assert trainer._plain(strided, CPU) is None
     assert trainer.evaluate(strided, x, y, CPU) == module_scores(trainer, state, x, y)
+    # a view 4 bytes into a buffer (as a decoded frame's tensors may be): not aligned
+    shifted = {}
+    for k, v in state.items():
+        buffer = torch.empty(v.numel() + 1, dtype=v.dtype)
+        buffer[1:] = v.reshape(-1)
+        shifted[k] = buffer[1:].view(v.shape)
+    assert trainer._plain(shifted, CPU) is None
+    assert trainer.evaluate(shifted, x, y, CPU) == module_scores(trainer, state, x, y)
     with pytest.raises(RuntimeError, match="Missing key"):
         trainer.evaluate({k: v for k, v in list(state.items())[1:]}, x, y, CPU)
 

@@ -270,8 +270,10 @@ class Trainer:
     ) -> list[tuple[torch.Tensor, torch.Tensor | None]] | None:
         """The (weight, bias) of each Linear layer of ``state`` on ``device``, where the
         template is a plain MLP and ``state`` has its keys and each tensor its shape, dtype
-        and contiguous layout (what ``load_state_dict`` would copy in unchanged); else
-        ``None`` (scored through the template, whose errors a bad state then raises)."""
+        and contiguous layout (what ``load_state_dict`` would copy in unchanged), each
+        aligned as torch aligns a parameter (64 bytes: a BLAS may sum in another order from
+        another alignment; a view into a received frame need not be); else ``None`` (scored
+        through the template, whose errors a bad state then raises)."""
         if device not in self._layers:
             from p2pfl.learning.batched import mlp_layers  # batched imports this module
 
@@ -290,9 +292,13 @@ class Trainer:
                 return None
             if not v.is_contiguous():
                 return None
-        return [
+        weights = [
             (state[w].to(device), None if b is None else state[b].to(device)) for w, b in layers
         ]
+        for pair in weights:
+            if any(t is not None and t.data_ptr() % _ALIGNED for t in pair):
+                return None
+        return weights
 
     @staticmethod
     def _score(
@@ -368,6 +374,10 @@ def _log_softmax_rows(out: torch.Tensor) -> torch.Tensor:
     t[:, :n] = out.t()
     return F.log_softmax(t, 0)[:, :n].t()
 
+
+_ALIGNED = 64
+"""The alignment of torch's CPU allocations (and a divisor of CUDA's), so of a parameter's
+bytes: a state's tensors are scored as they are only where theirs is as good."""
 
 _TRANSPOSED: dict[tuple[torch.dtype, int], bool] = {}
 
