@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import copy
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +19,10 @@ from typing import Any
 # command lines): results that must be equal across processes are computed alike, and the
 # suite's processes do not oversubscribe the cores.
 os.environ["OMP_NUM_THREADS"] = "1"
+# The data cache (inflated IDX files, p2pfl/data/datasets.py) of this session's processes,
+# never the user's own: made here, removed at exit.
+os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="p2pfl-test-cache-")
+atexit.register(shutil.rmtree, os.environ["XDG_CACHE_HOME"], ignore_errors=True)
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
