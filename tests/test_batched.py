@@ -8,7 +8,7 @@ import torch
 from conftest import DEVICE, experiment, run_experiment
 from p2pfl.app.experiment import build
 from p2pfl.core.seeding import torch_generator
-from p2pfl.learning import batched
+from p2pfl.learning import batched, models
 from p2pfl.learning.training import Proximal, TrainConfig
 from p2pfl.runtime.worker import Worker
 
@@ -149,14 +149,14 @@ def test_what_runs_batched():
     assert batched.can_batch(mlp, TrainConfig(), Proximal({}, 0.1))  # torch.func ...
     assert not batched.supports(mlp, TrainConfig(), Proximal({}, 0.1))  # ... on CUDA
     lenet = build(experiment(model={"name": "lenet"})).trainer.module(CPU)
-    assert batched.mlp_layers(lenet) is None
+    assert models.mlp_layers(lenet) is None
     assert batched.can_batch(lenet, TrainConfig(), None)  # torch.func can ...
     assert not batched.supports(lenet, TrainConfig(), None)  # ... but on a CPU it is slower
     if torch.cuda.is_available():
         assert batched.supports(lenet.to("cuda"), TrainConfig(optimizer="adam"), None)
     pans = {"name": "mlp", "hidden": [8], "pans": {"mode": "mul", "A": 0.5}}
     pan_mlp = build(experiment(model=pans)).trainer.module(CPU)
-    assert batched.mlp_layers(pan_mlp) is None  # the encoding hook changes the function
+    assert models.mlp_layers(pan_mlp) is None  # the encoding hook changes the function
     assert not batched.can_batch(pan_mlp, TrainConfig(), None)
     bn = build(experiment(model={"name": "cnn_s"})).trainer.module(CPU)
     assert not batched.can_batch(bn, TrainConfig(), None)  # running statistics are buffers

@@ -43,7 +43,7 @@ from torch import nn
 
 from p2pfl.data.federated import PeerData
 from p2pfl.learning.graphs import Replayed
-from p2pfl.learning.models import Hidden
+from p2pfl.learning.models import Layer, mlp_layers
 from p2pfl.learning.state import State
 from p2pfl.learning.training import (
     Proximal,
@@ -63,9 +63,6 @@ MLP_GROUP = 32
 bit, tested). Smaller stacks are reused where larger ones are mapped and faulted in afresh
 each call: 32 instead of 128 halved the page faults of the 1,000-peer run and made it 10%
 faster (docs/performance.md, "The 1,000-peer goal")."""
-
-Layer = tuple[str, str | None]
-"""The state keys of one Linear layer: (weight, bias or None)."""
 
 
 class DataPool:
@@ -124,36 +121,6 @@ class Job:
 class NonFinite(ArithmeticError):
     """A peer's regularised loss was not finite at some step: the loop skips that step,
     which a batched step cannot; train the group one by one instead."""
-
-
-def mlp_layers(module: nn.Module) -> list[Layer] | None:
-    """The Linear layers of an MLP (Flatten, then Linear+ReLU blocks, then a Linear), in
-    order; ``None`` for any other architecture (convolutions, norms, other activations) and
-    for modules with forward hooks (e.g. position-aware neurons), which change the function."""
-    if any(m._forward_hooks or m._forward_pre_hooks for m in module.modules()):
-        return None
-    children = list(module.named_children()) if isinstance(module, nn.Sequential) else []
-    if not children or not isinstance(children[0][1], nn.Flatten):
-        return None
-    layers: list[Layer] = []
-    for i, (name, child) in enumerate(children[1:], 1):
-        last = i == len(children) - 1
-        if last and type(child) is nn.Linear:
-            prefix, linear = name, child
-        elif (
-            not last
-            and type(child) is Hidden
-            and type(child.layer) is nn.Linear
-            and type(child.norm) is nn.Identity
-            and type(child.act) is nn.ReLU
-            and type(child.pool) is nn.Identity
-        ):
-            prefix, linear = f"{name}.layer", child.layer
-        else:
-            return None
-        bias = f"{prefix}.bias" if linear.bias is not None else None
-        layers.append((f"{prefix}.weight", bias))
-    return layers
 
 
 def functional(module: nn.Module) -> bool:

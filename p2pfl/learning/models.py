@@ -539,3 +539,37 @@ def forward_flops(model: nn.Module, input_shape: InputShape) -> int:
         for handle in handles:
             handle.remove()
     return total
+
+
+Layer = tuple[str, str | None]
+"""The state keys of one Linear layer: (weight, bias or None)."""
+
+
+def mlp_layers(module: nn.Module) -> list[Layer] | None:
+    """The Linear layers of an MLP (Flatten, then Linear+ReLU blocks, then a Linear), in
+    order; ``None`` for any other architecture (convolutions, norms, other activations) and
+    for modules with forward hooks (e.g. position-aware neurons), which change the function."""
+    if any(m._forward_hooks or m._forward_pre_hooks for m in module.modules()):
+        return None
+    children = list(module.named_children()) if isinstance(module, nn.Sequential) else []
+    if not children or not isinstance(children[0][1], nn.Flatten):
+        return None
+    layers: list[Layer] = []
+    for i, (name, child) in enumerate(children[1:], 1):
+        last = i == len(children) - 1
+        if last and type(child) is nn.Linear:
+            prefix, linear = name, child
+        elif (
+            not last
+            and type(child) is Hidden
+            and type(child.layer) is nn.Linear
+            and type(child.norm) is nn.Identity
+            and type(child.act) is nn.ReLU
+            and type(child.pool) is nn.Identity
+        ):
+            prefix, linear = f"{name}.layer", child.layer
+        else:
+            return None
+        bias = f"{prefix}.bias" if linear.bias is not None else None
+        layers.append((f"{prefix}.weight", bias))
+    return layers

@@ -21,7 +21,7 @@ from p2pfl.core.errors import ConfigError
 from p2pfl.core.options import bind
 from p2pfl.data.federated import PeerData
 from p2pfl.learning.graphs import Replayed
-from p2pfl.learning.models import InputShape, forward_flops, model_builder
+from p2pfl.learning.models import InputShape, forward_flops, mlp_layers, model_builder
 from p2pfl.learning.state import State, clone_state
 
 # Extra loss term: ``regularizer(module, ce)`` is added to the cross-entropy ``ce``.
@@ -249,7 +249,7 @@ class Trainer:
     ) -> tuple[float, float]:
         """Accuracy (fraction) and mean cross-entropy of ``state`` on ``(x, y)``.
 
-        A plain MLP (:func:`p2pfl.learning.batched.mlp_layers`) is scored as a function of
+        A plain MLP (:func:`p2pfl.learning.models.mlp_layers`) is scored as a function of
         the state's own tensors: the template's forward pass, the same ``F.linear`` and
         ``relu`` calls on the same values, so the same bits, without ``load_state_dict``'s
         copies and the modules' calls (a quarter of a 10⁴-peer DFedAvgM round's scoring,
@@ -275,8 +275,6 @@ class Trainer:
         another alignment; a view into a received frame need not be); else ``None`` (scored
         through the template, whose errors a bad state then raises)."""
         if device not in self._layers:
-            from p2pfl.learning.batched import mlp_layers  # batched imports this module
-
             module = self.module(device)
             layers = mlp_layers(module)
             params = {k: (v.shape, v.dtype) for k, v in module.state_dict().items()}
