@@ -12,6 +12,7 @@ from test_ranks import RING, exp_file, outputs, spread
 import p2pfl.app.experiment as experiment
 import p2pfl.runtime.children as children
 import p2pfl.runtime.worker as worker
+from conftest import DEVICE
 from p2pfl.app.cli import main
 from p2pfl.learning.state import is_ghost, state_bytes
 from p2pfl.runtime.shards import Shards
@@ -62,6 +63,8 @@ def test_a_sharded_run_writes_the_bytes_of_one_process_on_2_and_4_ranks(tmp_path
     ids=["gossip-batched", "fedavg-star", "adpsgd-handler", "dfedavgm-churn-loss", "stop"],
 )
 def test_sharded_methods_write_the_bytes_of_one_process(tmp_path, sections):
+    if sections["peers"].get("batched") and DEVICE["name"] != "cpu":
+        pytest.skip("batched groups are divided among ranks on a CPU only (refused: below)")
     exp = exp_file(tmp_path, **sections)
     assert spread(exp, tmp_path / "one", 1) == 0
     assert spread(exp, tmp_path / "three", 3, "--shard") == 0
@@ -103,7 +106,7 @@ def test_each_rank_holds_only_its_own_peers_models(tmp_path, monkeypatch):
     assert not is_ghost(output) and shipped  # messages crossed ranks, with their bytes
 
 
-def test_a_method_that_reads_another_ranks_model_fails_saying_so(tmp_path, capsys):
+def test_a_method_that_reads_another_ranks_model_fails_saying_so(tmp_path, capfd):
     """Krum picks a model by its distances: a ghost has none. One line, exit 1."""
     krum = {
         "topology": {"kind": "mesh"},
@@ -113,7 +116,7 @@ def test_a_method_that_reads_another_ranks_model_fails_saying_so(tmp_path, capsy
     exp = exp_file(tmp_path, **krum)
     assert main(["run", str(exp), "--out", str(tmp_path / "out"), "--quiet"]) == 0
     assert spread(exp, tmp_path / "sharded", 2, "--shard") == 1
-    err = capsys.readouterr().err.strip().splitlines()[-1]
+    err = capfd.readouterr().err.strip().splitlines()[-1]  # ranks may be fresh processes
     assert "dfedavgm cannot run sharded (--shard): it reads another rank's model" in err, err
 
 
@@ -135,6 +138,20 @@ BAD = [
         "--workers: 5 ranks for 4 peers: at most one rank per peer",
     ),
 ]
+
+
+def test_batched_groups_that_ranks_cannot_divide_refuse_the_shard(tmp_path, capsys):
+    """On CUDA a batched group's bits depend on the whole group (the torch.func path), so
+    its peers cannot train on their own ranks: refused before anything is written."""
+    if DEVICE["name"] == "cpu":
+        pytest.skip("on a CPU the hand-written MLP path's groups divide (tests above)")
+    out = tmp_path / "out"
+    exp = exp_file(tmp_path, **GOSSIP)
+    code = main(["run", str(exp), "--out", str(out), "--workers", "2", "--shard"])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert err.startswith("error: --shard: peers.batched on cuda: a batched group trains")
+    assert not out.exists()
 
 
 @pytest.mark.parametrize("argv,sections,message", BAD, ids=["alone", "every_s", "sweep", "peers"])

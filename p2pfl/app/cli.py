@@ -581,8 +581,21 @@ def _check_spread(setup: Setup, ranks: int, shard: bool = False) -> None:
             raise ConfigError(
                 "--shard", f"{key} needs every peer's model in one process: leave out --shard"
             )
+    import torch
+
+    from p2pfl.learning import batched
     from p2pfl.learning.state import state_bytes
+    from p2pfl.learning.training import resolve_device
     from p2pfl.runtime.children import available_memory
+
+    device = resolve_device(setup.population.profiles[0].device)
+    cpu_module = setup.trainer.module(torch.device("cpu"))  # CUDA stays untouched (forks)
+    if setup.population.batched and not batched.divisible(cpu_module, setup.train, device):
+        raise ConfigError(
+            "--shard",
+            f"peers.batched on {device.type}: a batched group trains to bits that depend on "
+            "the whole group, whose peers the ranks split; leave out peers.batched or --shard",
+        )
 
     share = -(-peers // ranks)  # the largest share: ceil(peers / ranks)
     need = SHARD_MODELS * share * state_bytes(setup.init_state())
