@@ -11,6 +11,7 @@ from test_ranks import RING, exp_file, outputs, spread
 
 import p2pfl.app.experiment as experiment
 import p2pfl.runtime.children as children
+import p2pfl.runtime.train_batcher as train_batcher
 import p2pfl.runtime.worker as worker
 from conftest import DEVICE
 from p2pfl.app.cli import main
@@ -196,3 +197,15 @@ def test_scores_held_behind_a_bounded_number_of_evaluations_keep_the_rows_in_ord
     assert spread(exp, tmp_path / "three", 3, "--shard") == 0
     one = outputs(tmp_path / "one")
     assert outputs(tmp_path / "two") == one and outputs(tmp_path / "three") == one
+
+
+def test_each_rank_trains_its_next_chunk_of_a_cohort_at_once(tmp_path, monkeypatch):
+    """Over sharded ranks a cohort is computed a chunk per rank at a time (each rank's
+    next ``CHUNK`` trainings): the bytes are still one process's."""
+    if torch.cuda.device_count():
+        pytest.skip("on a GPU host the ranks run in fresh processes, without the patch")
+    monkeypatch.setattr(train_batcher, "CHUNK", 2)
+    exp = exp_file(tmp_path, **GOSSIP)
+    assert spread(exp, tmp_path / "one", 1) == 0
+    assert spread(exp, tmp_path / "three", 3, "--shard") == 0
+    assert outputs(tmp_path / "three") == outputs(tmp_path / "one")

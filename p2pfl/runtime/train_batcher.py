@@ -102,6 +102,9 @@ class TrainBatcher:
         """``job`` and the trainings of its cohort that end soonest after it."""
         cohort = job.cohort
         assert cohort is not None
+        if self.worker.shards is not None:
+            self._run(self._shared_chunk(job, cohort))
+            return
         chunk: list[_Pending] = []
         found = False  # only a crashed peer's training, never asked for, can lie before it
         while cohort and (len(chunk) < CHUNK or not found):
@@ -110,6 +113,30 @@ class TrainBatcher:
         if len(cohort) == 1:  # never leave one alone
             chunk.append(cohort.popleft())
         self._run(chunk)
+
+    def _shared_chunk(self, job: _Pending, cohort: deque[_Pending]) -> list[_Pending]:
+        """Over sharded ranks: ``job``, those before it, and each rank's next ``CHUNK``
+        trainings of the cohort, so that every rank trains at once (a rank's peers are a
+        contiguous block, which the soonest ``CHUNK`` of one process would mostly fall in)."""
+        shards = self.worker.shards
+        assert shards is not None
+        taken: dict[int, int] = {}
+        chunk: list[_Pending] = []
+        rest: deque[_Pending] = deque()
+        found = False
+        for j in cohort:
+            rank = shards.owner(j.node)
+            if not found or taken.get(rank, 0) < CHUNK:
+                chunk.append(j)
+                taken[rank] = taken.get(rank, 0) + 1
+                found = found or j is job
+            else:
+                rest.append(j)
+        if len(rest) == 1:  # never leave one alone
+            chunk.append(rest.popleft())
+        cohort.clear()
+        cohort.extend(rest)
+        return chunk
 
     def _run(self, jobs: list[_Pending]) -> None:
         results = self.worker.train_many([(j.node, j.train) for j in jobs])
