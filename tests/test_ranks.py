@@ -165,12 +165,13 @@ def test_ranks_share_a_batched_mlp_group(tmp_path, monkeypatch):
     assert outputs(tmp_path / "w2") == outputs(tmp_path / "w1")
 
 
-def test_torchrun_starts_the_same_run_on_loopback(tmp_path):
+@pytest.mark.parametrize("options", [[], ["--shard"]], ids=["spread", "sharded"])
+def test_torchrun_starts_the_same_run_on_loopback(tmp_path, options):
     exp = exp_file(tmp_path, **RING)
     assert main(["run", str(exp), "--out", str(tmp_path / "one"), "--quiet"]) == 0
     torchrun = Path(sys.executable).parent / "torchrun"
     cmd = [str(torchrun), "--nproc-per-node", "2", "--master-port", str(free_port())]
-    cmd += ["-m", "p2pfl", "run", str(exp), "--out", str(tmp_path / "two"), "--quiet"]
+    cmd += ["-m", "p2pfl", "run", str(exp), "--out", str(tmp_path / "two"), "--quiet", *options]
     env = os.environ | {"OMP_NUM_THREADS": "1"}
     done = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
