@@ -362,15 +362,14 @@ def final_state(
     outputs), else the uniform mean of the peers' final models (over ``shards``, each
     rank's from its own peers); ``start`` if none has one (a run stopped before any node
     finished an iteration), else an error."""
-    if shards is not None and not any(f.output for f in finals.values()):
+    outputs = [s for f in finals.values() if f.output and (s := f.state) is not None]
+    if not outputs:  # a peer that crashed has no Finish
         held = [
             (p, s) for p in topology.peers if p in finals and (s := finals[p].state) is not None
         ]
-        if held:
+        if held and shards is not None:
             return shards.average(held)
-    outputs = [s for f in finals.values() if f.output and (s := f.state) is not None]
-    if not outputs:  # a peer that crashed has no Finish
-        outputs = [s for p in topology.peers if p in finals and (s := finals[p].state) is not None]
+        outputs = [s for _, s in held]
     if not outputs and start is not None:
         return start
     if not outputs:

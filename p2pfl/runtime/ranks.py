@@ -29,7 +29,7 @@ import socket
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -139,14 +139,11 @@ class Ranks:
             figures = buffers[r][:head].view(torch.float64).view(len(js), _FIGURES).tolist()
             offset = head
             for j, (acc, trained, scored, wall, skipped) in zip(js, figures, strict=True):
-                state: State = {}
-                if not states:
+                if states:
+                    raw, offset = read_raw(buffers[r], offset, starts[j])
+                    state = {k: v.clone().to(starts[j][k].device) for k, v in raw.items()}
+                else:
                     state = ghost(starts[j])
-                for key, t in starts[j].items() if states else ():
-                    n = t.numel() * t.element_size()
-                    raw = buffers[r][offset : offset + n]
-                    state[key] = raw.clone().view(t.dtype).view(t.shape).to(t.device)
-                    offset += n
                 results[j] = TrainResult(state, acc, int(trained), int(scored), wall, int(skipped))
         return [results[j] for j in range(len(starts))]
 
@@ -292,10 +289,27 @@ def _pack(done: list[TrainResult], size: int, states: bool = True) -> torch.Tens
         buffer[:head].view(torch.float64).view(len(done), _FIGURES)[:] = torch.tensor(
             figures, dtype=torch.float64
         )
-    offset = head
-    for d in done if states else ():
-        for t in d.state.values():
-            raw = t.detach().to("cpu").contiguous().view(-1).view(torch.uint8)
-            buffer[offset : offset + raw.numel()] = raw
-            offset += raw.numel()
+    if states:
+        write_raw((t for d in done for t in d.state.values()), buffer, head)
     return buffer
+
+
+def write_raw(tensors: Iterable[torch.Tensor], buffer: torch.Tensor, offset: int = 0) -> int:
+    """Copy ``tensors``' raw bytes into ``buffer``, one after the other from ``offset``;
+    the offset after the last."""
+    for t in tensors:
+        raw = t.detach().to("cpu").contiguous().view(-1).view(torch.uint8)
+        buffer[offset : offset + raw.numel()] = raw
+        offset += raw.numel()
+    return offset
+
+
+def read_raw(buffer: torch.Tensor, offset: int, layout: State) -> tuple[State, int]:
+    """Views of ``buffer``'s bytes from ``offset`` as tensors laid out as ``layout`` (its
+    keys, dtypes and shapes, in order: what :func:`write_raw` wrote); the offset after."""
+    state: State = {}
+    for key, t in layout.items():
+        n = t.numel() * t.element_size()
+        state[key] = buffer[offset : offset + n].view(t.dtype).view(t.shape)
+        offset += n
+    return state, offset

@@ -36,9 +36,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from p2pfl.learning.state import State, ghost
+from p2pfl.learning.state import State, ghost, state_bytes
 from p2pfl.network.message import Message
-from p2pfl.runtime.ranks import Ranks
+from p2pfl.runtime.ranks import Ranks, read_raw, write_raw
 
 
 class Shards:
@@ -50,8 +50,7 @@ class Shards:
         self.rank = ranks.rank
         # messages between peers of different ranks sent since the last ship, in the order
         # they were sent (the same on every rank), with the bytes this rank must ship
-        self.unsent: dict[int, tuple[Message, list[torch.Tensor] | None]] = {}
-        self.shipped = 0  # how many times messages were shipped (collectives)
+        self.unsent: dict[int, tuple[Message, State | None]] = {}
 
     def owner(self, node: int) -> int:
         return self.ranks.owner(node, self.peers)
@@ -68,7 +67,7 @@ class Shards:
             return msg
         tensors = None
         if src == self.rank:
-            tensors = list(msg.tensors.values())
+            tensors = msg.tensors
             msg = Message(msg.kind, msg.src, msg.dst, msg.round, ghost(msg.tensors), msg.meta)
         self.unsent[id(msg)] = (msg, tensors)
         return msg
@@ -84,20 +83,20 @@ class Shards:
         """Every rank sends the messages it holds for each other rank and fills in those
         sent to its own peers, point to point, each pair's bytes in one buffer in the order
         they were sent."""
-        out: dict[int, list[torch.Tensor]] = {}
+        out: dict[int, list[State]] = {}
         into: dict[int, list[Message]] = {}
         for msg, tensors in self.unsent.values():
             if tensors is not None:
-                out.setdefault(self.owner(msg.dst), []).extend(tensors)
+                out.setdefault(self.owner(msg.dst), []).append(tensors)
             elif self.owner(msg.dst) == self.rank:
                 into.setdefault(self.owner(msg.src), []).append(msg)
         self.unsent = {}
-        self.shipped += 1
-        sends = {r: _pack(ts) for r, ts in out.items()}
+        sends = {}
+        for r, held in out.items():
+            sends[r] = torch.empty(sum(state_bytes(t) for t in held), dtype=torch.uint8)
+            write_raw((t for tensors in held for t in tensors.values()), sends[r])
         recvs = {
-            r: torch.empty(
-                sum(_nbytes(t) for m in ms for t in m.tensors.values()), dtype=torch.uint8
-            )
+            r: torch.empty(sum(state_bytes(m.tensors) for m in ms), dtype=torch.uint8)
             for r, ms in into.items()
         }
         with self.ranks.together():
@@ -109,12 +108,7 @@ class Shards:
         for r, ms in into.items():
             offset = 0
             for m in ms:
-                filled: dict[str, torch.Tensor] = {}
-                for name, t in m.tensors.items():
-                    n = _nbytes(t)
-                    filled[name] = recvs[r][offset : offset + n].view(t.dtype).view(t.shape)
-                    offset += n
-                m.tensors = filled
+                m.tensors, offset = read_raw(recvs[r], offset, m.tensors)
 
     def average(self, states: list[tuple[int, State]]) -> State:
         """The uniform mean of ``states`` (each peer's, in peer order; another rank's as
@@ -149,18 +143,3 @@ class Shards:
             a = views[k].view(v.shape)
             out[k] = a.to(v.dtype) if v.is_floating_point() else a.round().to(v.dtype)
         return out
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
-def _pack(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """The tensors' raw bytes, one after the other, in one buffer."""
-    buffer = torch.empty(sum(_nbytes(t) for t in tensors), dtype=torch.uint8)
-    offset = 0
-    for t in tensors:
-        raw = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
-        buffer[offset : offset + raw.numel()] = raw
-        offset += raw.numel()
-    return buffer

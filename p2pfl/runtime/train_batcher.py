@@ -99,44 +99,36 @@ class TrainBatcher:
         self._run(jobs)
 
     def _chunk(self, job: _Pending) -> None:
-        """``job`` and the trainings of its cohort that end soonest after it."""
+        """``job``, the trainings of its cohort before it (only a crashed peer's, never
+        asked for, can lie there) and those that end soonest after it: ``CHUNK`` in all, or
+        over sharded ranks ``CHUNK`` of each rank's, so that every rank trains at once (a
+        rank's peers are a contiguous block, which the soonest ``CHUNK`` would mostly fall
+        in)."""
         cohort = job.cohort
         assert cohort is not None
-        if self.worker.shards is not None:
-            self._run(self._shared_chunk(job, cohort))
-            return
+        shards = self.worker.shards
+        owner = shards.owner if shards is not None else lambda node: 0
+        taking = shards.ranks.world if shards is not None else 1  # ranks short of CHUNK
+        taken: dict[int, int] = {}
         chunk: list[_Pending] = []
-        found = False  # only a crashed peer's training, never asked for, can lie before it
-        while cohort and (len(chunk) < CHUNK or not found):
-            chunk.append(cohort.popleft())
-            found = found or chunk[-1] is job
+        passed: list[_Pending] = []  # a rank's beyond its CHUNK: left for a later chunk
+        found = False
+        while cohort and not (found and taking == 0):
+            j = cohort.popleft()
+            rank = owner(j.node)
+            n = taken.get(rank, 0)
+            if found and n >= CHUNK:
+                passed.append(j)
+                continue
+            chunk.append(j)
+            taken[rank] = n + 1
+            if n + 1 == CHUNK:
+                taking -= 1
+            found = found or j is job
+        cohort.extendleft(reversed(passed))
         if len(cohort) == 1:  # never leave one alone
             chunk.append(cohort.popleft())
         self._run(chunk)
-
-    def _shared_chunk(self, job: _Pending, cohort: deque[_Pending]) -> list[_Pending]:
-        """Over sharded ranks: ``job``, those before it, and each rank's next ``CHUNK``
-        trainings of the cohort, so that every rank trains at once (a rank's peers are a
-        contiguous block, which the soonest ``CHUNK`` of one process would mostly fall in)."""
-        shards = self.worker.shards
-        assert shards is not None
-        taken: dict[int, int] = {}
-        chunk: list[_Pending] = []
-        rest: deque[_Pending] = deque()
-        found = False
-        for j in cohort:
-            rank = shards.owner(j.node)
-            if not found or taken.get(rank, 0) < CHUNK:
-                chunk.append(j)
-                taken[rank] = taken.get(rank, 0) + 1
-                found = found or j is job
-            else:
-                rest.append(j)
-        if len(rest) == 1:  # never leave one alone
-            chunk.append(rest.popleft())
-        cohort.clear()
-        cohort.extend(rest)
-        return chunk
 
     def _run(self, jobs: list[_Pending]) -> None:
         results = self.worker.train_many([(j.node, j.train) for j in jobs])
