@@ -612,8 +612,8 @@ def _check_spread(setup: Setup, ranks: int, shard: bool = False) -> None:
 
 SHARD_MODELS = 3
 """Models a sharded rank may hold per peer at once, for ``--shard``'s memory check: the
-peer's own, a message's and a training's (``benchmarks/population.py``: 1.5 × the states
-at the peak in one process)."""
+peer's own, a message's and a training's (``benchmarks/population.py``: 2.0 × the states
+at the peak in one process, docs/performance.md)."""
 
 
 NVML_CHECK = "PYTORCH_NVML_BASED_CUDA_CHECK"
