@@ -270,6 +270,21 @@ def test_average_sums_in_float64_in_state_order(dtype: torch.dtype) -> None:
     )
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.int64])
+def test_an_average_owns_its_tensors(dtype: torch.dtype) -> None:
+    """The float64 sums are taken in one reused scratch buffer: every mean is a tensor of its
+    own, which later averages (a larger one, of another shape, a float64 one, where the cast
+    back would be no copy) leave as it was."""
+    a, b = {"w": torch.tensor([1, 3], dtype=dtype)}, {"w": torch.tensor([5, 7], dtype=dtype)}
+    first = average_states([a, b])
+    kept = first["w"].clone()
+    big = {"w": torch.ones(4, 5, dtype=dtype)}
+    for other in ([big, big], [b, b], [a, a]):
+        average_states(other)
+    assert first["w"].dtype == dtype and torch.equal(first["w"], kept)
+    assert torch.equal(kept, torch.tensor([3, 5], dtype=dtype))
+
+
 def test_average_rounds_integer_buffers() -> None:
     states = [{"n": torch.tensor(2)}, {"n": torch.tensor(5)}]
     out = average_states(states, [1, 3])["n"]  # (2 + 15) / 4 = 4.25
