@@ -186,11 +186,13 @@ def test_scores_held_behind_a_bounded_number_of_evaluations_keep_the_rows_in_ord
     tmp_path, monkeypatch
 ):
     """Over ranks, deferred scores are settled every ``HELD_EVALS · world`` evaluations
-    (here each one: the ranks are forked with the patched bound), not only at the next
-    flush: the rows are still written in the order of one process."""
+    (sharded: ``HELD_SCORES``, the owners' scores; here each one: the ranks are forked with
+    the patched bounds), not only at the next flush: the rows are still written in the
+    order of one process."""
     if torch.cuda.device_count():
         pytest.skip("on a GPU host the ranks run in fresh processes, without the patch")
     monkeypatch.setattr(worker, "HELD_EVALS", 1)
+    monkeypatch.setattr(worker, "HELD_SCORES", 1)
     exp = exp_file(tmp_path, **RING)
     assert spread(exp, tmp_path / "one", 1) == 0
     assert spread(exp, tmp_path / "two", 2) == 0

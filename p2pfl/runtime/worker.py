@@ -39,6 +39,12 @@ HELD_EVALS = 128
 for the next flush (each holds a copy of its model: 10⁴ peers scored after their last
 training would hold a second population of models until the end)."""
 
+HELD_SCORES = 65536
+"""Over sharded ranks, the evaluations held before their scores are exchanged without
+waiting for the next flush. Each owner scores its peers at once and holds two floats: a
+bound as small as :data:`HELD_EVALS` would make the ranks take turns, since a round's
+evaluations come in peer order and so one rank's block after another's."""
+
 _Group = tuple[TrainConfig, torch.device, float | None]
 """A batched group's key: the trainings' config, device and proximal ``mu``."""
 
@@ -79,7 +85,9 @@ class Worker:
         self._supported: dict[tuple, bool] = {}  # batched.supports/divisible, per config
         self.ranks = ranks
         self.shards = shards  # with ``--shard``: whose models this rank holds
-        self._evals: list[tuple[int, State]] = []  # deferred evaluations (over ranks)
+        self._evals: list[tuple[int, State | tuple[float, float] | None]] = []
+        """Deferred evaluations (over ranks): the peer and a copy of its model to score, or
+        (sharded) its owner's scores, ``None`` on another rank."""
         self._rows: list[tuple[float, int, str, str, float | tuple[int, int]]] = []
 
     def perform(self, node: int, eff: Effect, now: float) -> tuple[Any, float]:
@@ -339,12 +347,20 @@ class Worker:
             return None
         name = self.topology.name(node)
         self._advance(eff.round)
-        if self.ranks is not None:  # no method uses the scores: score them at the next flush
-            self._evals.append((node, {k: v.clone() for k, v in eff.state.items()}))
+        if self.ranks is not None:  # no method uses the scores: exchange them at the next flush
+            if self.shards is None:  # each rank scores a share: hold a copy to score then
+                held: State | tuple[float, float] | None = {
+                    k: v.clone() for k, v in eff.state.items()
+                }
+                bound = HELD_EVALS * self.ranks.world
+            else:  # only the owner holds the model: it scores it now, the others wait
+                held = self._score(node, eff.state) if self.shards.mine(node) else None
+                bound = HELD_SCORES
+            self._evals.append((node, held))
             self._log(now, eff.round, name, "accuracy", (len(self._evals) - 1, 0))
             self._log(now, eff.round, name, "loss", (len(self._evals) - 1, 1))
-            if len(self._evals) >= HELD_EVALS * self.ranks.world:
-                self.settle()  # every rank at this same point: the copies held stay bounded
+            if len(self._evals) >= bound:
+                self.settle()  # every rank at this same point: what is held stays bounded
             return None
         acc, loss = self._score(node, eff.state)
         self._log(now, eff.round, name, "accuracy", acc)
@@ -386,10 +402,16 @@ class Worker:
         if self.ranks is None or not self._evals:
             return
         evals = self._evals
+
+        def scored(i: int) -> tuple[float, float]:
+            node, held = evals[i]
+            assert held is not None, "a sharded rank has only its own peers' scores"
+            return held if isinstance(held, tuple) else self._score(node, held)
+
         scores: Sequence[Sequence[float]] = (
-            [self._score(*e) for e in evals] if alone
+            [scored(i) for i in range(len(evals))] if alone
             else self.ranks.spread(
-                len(evals), 2, lambda i: self._score(*evals[i]),
+                len(evals), 2, scored,
                 [self.shards.owner(n) for n, _ in evals] if self.shards else None,
             )
         )  # fmt: skip
