@@ -110,9 +110,11 @@ def average_states(states: Sequence[State], weights: Sequence[float] | None = No
                 )
     out: State = {}
     for k, v in ref.items():
-        acc = _accumulator(v).zero_()
+        acc = _scratch(v, 0).zero_()
+        wide = _scratch(v, 1) if v.dtype != torch.float64 else None
         for share, state in zip(shares, states, strict=True):
-            acc.add_(state[k], alpha=share)  # computed in float64: as converting first
+            # in float64, converting first (into a buffer: add_ would allocate the copy)
+            acc.add_(state[k] if wide is None else wide.copy_(state[k]), alpha=share)
         if not v.is_floating_point():
             acc = acc.round()
         out[k] = acc.to(v.dtype, copy=True)
@@ -120,19 +122,18 @@ def average_states(states: Sequence[State], weights: Sequence[float] | None = No
 
 
 _SCRATCH = threading.local()
-"""Each thread's float64 accumulators, one per device, grown to the largest tensor seen."""
+"""Each thread's float64 buffers, per device and use, grown to the largest tensor seen."""
 
 
-def _accumulator(like: Tensor) -> Tensor:
-    """A float64 scratch tensor shaped as ``like``, reused from call to call (dirty: zero it).
-
-    One buffer per thread and device instead of a fresh ``torch.zeros`` per tensor and call:
-    10⁴ peers mixing a 50,176-weight layer three times a round made 400 kB float64 blocks
-    that the allocator then kept, between the states, as freed memory (issue 38)."""
-    buffers: dict[torch.device, Tensor] = _SCRATCH.__dict__.setdefault("buffers", {})
-    buf = buffers.get(like.device)
+def _scratch(like: Tensor, use: int) -> Tensor:
+    """Float64 scratch tensor number ``use`` shaped as ``like``, reused from call to call
+    (dirty: overwrite it). :func:`average_states` sums in one and converts each term in
+    another: fresh ones per tensor and call, 10⁴ DFedAvgM peers each mixing three 50,176-weight
+    layers a round made four 400 kB blocks per peer and round that glibc then kept, among
+    the states, as freed memory (issue 38)."""
+    buffers: dict[tuple[torch.device, int], Tensor] = _SCRATCH.__dict__.setdefault("buffers", {})
+    buf = buffers.get((like.device, use))
     if buf is None or buf.numel() < like.numel():
-        buf = buffers[like.device] = torch.empty(
-            like.numel(), dtype=torch.float64, device=like.device
-        )
+        buf = torch.empty(like.numel(), dtype=torch.float64, device=like.device)
+        buffers[like.device, use] = buf
     return buf[: like.numel()].view(like.shape)
