@@ -182,6 +182,24 @@ def test_a_share_that_does_not_fit_in_memory_is_one_error_line(tmp_path, capsys,
     assert not out.exists()
 
 
+@pytest.mark.parametrize("argv", [[], ["--workers", "2"]], ids=["one process", "workers"])
+def test_a_population_that_does_not_fit_in_memory_is_one_error_line(
+    tmp_path, capsys, monkeypatch, argv
+):
+    """Unsharded, every simulating process holds all four peers' models, 3 × 4 × 68 MB
+    (816 MB), with 300 MiB free: refused before anything is written, pointing at --shard."""
+    monkeypatch.setattr(children, "available_memory", lambda: 300 << 20)
+    big = {"model": {"name": "mlp", "hidden": [4096, 4096]}}
+    out = tmp_path / "out"
+    code = main(["run", str(exp_file(tmp_path, **big)), "--out", str(out), *argv])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.splitlines()) == 1, err
+    each = "each of 2 processes" if argv else "this run"
+    assert err.startswith(f"error: peers.count: {each} holds 4 peers' models, about 0.76 GiB")
+    assert "0.29 GiB are free: shard them over ranks (--workers N --shard" in err
+    assert not out.exists()
+
+
 def test_scores_held_behind_a_bounded_number_of_evaluations_keep_the_rows_in_order(
     tmp_path, monkeypatch
 ):

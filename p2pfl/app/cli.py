@@ -376,6 +376,8 @@ def execute(args: argparse.Namespace, sweep: bool | None = None) -> Done:
         setup = _setup(args, args.transport)
         if spread:
             _check_spread(setup, max(args.workers, _world()[0]), args.shard)
+        elif args.transport == "sim":
+            _check_memory(setup, 1, shard=False)
         with _ranks(args.workers, threads, setup, args.shard) as ranks, _claimed(out, args.force):
             summary = run(setup, out, not args.quiet, args.transport, ranks)
     return Done(out, summary, 0)
@@ -571,6 +573,7 @@ def _check_spread(setup: Setup, ranks: int, shard: bool = False) -> None:
         key = "--workers" if _world()[0] == 1 else "WORLD_SIZE"
         raise ConfigError(key, f"{ranks} ranks for {peers} peers: at most one rank per peer")
     if not shard:
+        _check_memory(setup, ranks, shard=False)
         return
     every = {
         "eval.every_s": setup.eval.every_s is not None,  # the run's model, every so often
@@ -584,9 +587,7 @@ def _check_spread(setup: Setup, ranks: int, shard: bool = False) -> None:
     import torch
 
     from p2pfl.learning import batched
-    from p2pfl.learning.state import state_bytes
     from p2pfl.learning.training import resolve_device
-    from p2pfl.runtime.children import available_memory
 
     device = resolve_device(setup.population.profiles[0].device)
     cpu_module = setup.trainer.module(torch.device("cpu"))  # CUDA stays untouched (forks)
@@ -597,23 +598,47 @@ def _check_spread(setup: Setup, ranks: int, shard: bool = False) -> None:
             "the whole group, whose peers the ranks split; leave out peers.batched or --shard",
         )
 
-    share = -(-peers // ranks)  # the largest share: ceil(peers / ranks)
-    need = SHARD_MODELS * share * state_bytes(setup.init_state())
+    _check_memory(setup, ranks, shard=True)
+
+
+def _check_memory(setup: Setup, ranks: int, shard: bool) -> None:
+    """Each simulating process on this host holds its peers' models (``shard``: its share
+    of them, else all), up to :data:`SHARD_MODELS` per peer at once: a population that this
+    host's free memory cannot hold is refused before anything is written, not killed by the
+    kernel halfway."""
+    from p2pfl.learning.state import state_bytes
+    from p2pfl.runtime.children import available_memory
+
     free = available_memory()
+    if free is None:
+        return
+    peers = setup.topology.num_peers
+    share = -(-peers // ranks) if shard else peers  # the largest share: ceil(peers / ranks)
+    need = SHARD_MODELS * share * state_bytes(setup.init_state())
     local = int(os.environ.get("LOCAL_WORLD_SIZE", ranks))
-    if free is not None and need * local > free:
+    if need * local <= free:
+        return
+    if shard:
         raise ConfigError(
             "--shard",
             f"each of {local} rank(s) on this host holds up to {share:,} peers' models, about "
             f"{need / 2**30:.2f} GiB at {SHARD_MODELS} models per peer; {free / 2**30:.2f} GiB "
             "are free: use more ranks or hosts, or fewer peers",
         )
+    each = f"each of {local} processes" if local > 1 else "this run"
+    raise ConfigError(
+        "peers.count",
+        f"{each} holds {peers:,} peers' models, about {need / 2**30:.2f} GiB at "
+        f"{SHARD_MODELS} models per peer; {free / 2**30:.2f} GiB are free: shard them over "
+        "ranks (--workers N --shard, or torchrun on several hosts) or use fewer peers",
+    )
 
 
 SHARD_MODELS = 3
-"""Models a sharded rank may hold per peer at once, for ``--shard``'s memory check: the
-peer's own, a message's and a training's (``benchmarks/population.py``: 2.0 × the states
-at the peak in one process, docs/performance.md)."""
+"""Models a simulating process may hold per peer at once, for the memory check before a
+run: the peer's own, a message's and a training's (``benchmarks/population.py``: 1.8 × the
+states above the process at the peak of 10⁴ DFedAvgM peers, 3.1 × for 10⁵ gossip peers,
+whose states are small beside their data and objects; docs/performance.md)."""
 
 
 NVML_CHECK = "PYTORCH_NVML_BASED_CUDA_CHECK"
