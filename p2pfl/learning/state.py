@@ -109,31 +109,56 @@ def average_states(states: Sequence[State], weights: Sequence[float] | None = No
                     f"state 0 has {ref[k].dtype}{list(ref[k].shape)}"
                 )
     out: State = {}
+    views = _scratch()
     for k, v in ref.items():
-        acc = _scratch(v, 0).zero_()
-        wide = _scratch(v, 1) if v.dtype != torch.float64 else None
+        acc, wide = views.get((v.shape, v.device)) or views.make(v.shape, v.device)
+        acc.zero_()
+        same = v.dtype == torch.float64
         for share, state in zip(shares, states, strict=True):
             # in float64, converting first (into a buffer: add_ would allocate the copy)
-            acc.add_(state[k] if wide is None else wide.copy_(state[k]), alpha=share)
+            acc.add_(state[k] if same else wide.copy_(state[k]), alpha=share)
         if not v.is_floating_point():
             acc = acc.round()
         out[k] = acc.to(v.dtype, copy=True)
     return out
 
 
+class _Scratch(dict[tuple[torch.Size, torch.device], tuple[Tensor, Tensor]]):
+    """One thread's float64 scratch for :func:`average_states`: per shape and device, a sum
+    and a converted term, views into two buffers per device grown to the largest tensor.
+
+    Fresh ones per tensor and call (``torch.zeros``, and the float64 copy that ``add_``
+    makes of a float32 term) were four 400 kB blocks per peer and round when 10⁴ DFedAvgM
+    peers mixed three 50,176-weight layers, which glibc then kept, among the states, as
+    freed memory (issue 38)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.buffers: dict[torch.device, tuple[Tensor, Tensor]] = {}
+
+    def make(self, shape: torch.Size, device: torch.device) -> tuple[Tensor, Tensor]:
+        """The views for ``shape`` on ``device`` (the device's buffers regrown, and its
+        views made anew, where ``shape`` is larger than any before)."""
+        numel = shape.numel()
+        held = self.buffers.get(device)
+        if held is None or held[0].numel() < numel:
+            for key in [key for key in self if key[1] == device]:
+                del self[key]  # views of the old buffers
+            held = self.buffers[device] = (
+                torch.empty(numel, dtype=torch.float64, device=device),
+                torch.empty(numel, dtype=torch.float64, device=device),
+            )
+        acc, wide = (b[:numel].view(shape) for b in held)
+        self[shape, device] = (acc, wide)
+        return acc, wide
+
+
 _SCRATCH = threading.local()
-"""Each thread's float64 buffers, per device and use, grown to the largest tensor seen."""
 
 
-def _scratch(like: Tensor, use: int) -> Tensor:
-    """Float64 scratch tensor number ``use`` shaped as ``like``, reused from call to call
-    (dirty: overwrite it). :func:`average_states` sums in one and converts each term in
-    another: fresh ones per tensor and call, 10⁴ DFedAvgM peers each mixing three 50,176-weight
-    layers a round made four 400 kB blocks per peer and round that glibc then kept, among
-    the states, as freed memory (issue 38)."""
-    buffers: dict[tuple[torch.device, int], Tensor] = _SCRATCH.__dict__.setdefault("buffers", {})
-    buf = buffers.get((like.device, use))
-    if buf is None or buf.numel() < like.numel():
-        buf = torch.empty(like.numel(), dtype=torch.float64, device=like.device)
-        buffers[like.device, use] = buf
-    return buf[: like.numel()].view(like.shape)
+def _scratch() -> _Scratch:
+    """This thread's :class:`_Scratch`."""
+    views = getattr(_SCRATCH, "views", None)
+    if views is None:
+        views = _SCRATCH.views = _Scratch()
+    return views
