@@ -10,6 +10,7 @@ from p2pfl.app.experiment import build
 from p2pfl.core.seeding import torch_generator
 from p2pfl.learning import batched, models
 from p2pfl.learning.training import Proximal, TrainConfig
+from p2pfl.network import wire
 from p2pfl.runtime.worker import Worker
 
 CPU = torch.device("cpu")
@@ -497,6 +498,27 @@ def test_a_state_the_template_would_not_take_unchanged_is_scored_through_it():
     assert trainer.evaluate(shifted, x, y, CPU) == module_scores(trainer, state, x, y)
     with pytest.raises(RuntimeError, match="Missing key"):
         trainer.evaluate({k: v for k, v in list(state.items())[1:]}, x, y, CPU)
+
+
+@pytest.mark.skipif(not hasattr(torch, "_lazy_clone"), reason="torch without copy-on-write")
+def test_scoring_a_state_shared_copy_on_write_copies_nothing():
+    """A state that a message shares copy-on-write (the wire's lazy clone of what a peer
+    sends, then scored by the sender) is scored from the shared bytes: the alignment check
+    must not copy them (``data_ptr`` would: a second model per peer at a gossip run's last
+    period, 0.7 GiB at 30,000 peers), and the scores are the template's bits."""
+    setup = skewed_setup([32])
+    trainer, data = setup.trainer, setup.data
+    state = {k: v.clone() for k, v in trainer.init_state(0).items()}
+    sent = {k: wire._private_copy(v) for k, v in state.items()}  # what Send puts in a message
+    shared = [k for k, v in state.items() if torch._C._is_cow_tensor(v)]
+    assert shared and all(torch._C._is_cow_tensor(sent[k]) for k in shared)  # the weights
+    where = {k: state[k].const_data_ptr() for k in shared}
+    assert all(sent[k].const_data_ptr() == where[k] for k in shared)
+    x, y = data.test_x, data.test_y
+    assert trainer.evaluate(state, x, y, CPU) == module_scores(trainer, state, x, y)
+    for k in shared:  # still shared: nothing copied
+        assert torch._C._is_cow_tensor(state[k])
+        assert state[k].const_data_ptr() == sent[k].const_data_ptr() == where[k]
 
 
 @pytest.mark.parametrize("classes", [2, 3, 10, 15, 16, 40])

@@ -293,8 +293,8 @@ class Trainer:
         weights = [
             (state[w].to(device), None if b is None else state[b].to(device)) for w, b in layers
         ]
-        for pair in weights:
-            if any(t is not None and t.data_ptr() % _ALIGNED for t in pair):
+        for pair in weights:  # const_data_ptr: data_ptr would copy a copy-on-write tensor
+            if any(t is not None and t.const_data_ptr() % _ALIGNED for t in pair):
                 return None
         return weights
 
