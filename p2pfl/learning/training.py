@@ -293,8 +293,8 @@ class Trainer:
         weights = [
             (state[w].to(device), None if b is None else state[b].to(device)) for w, b in layers
         ]
-        for pair in weights:  # const_data_ptr: data_ptr would copy a copy-on-write tensor
-            if any(t is not None and t.const_data_ptr() % _ALIGNED for t in pair):
+        for pair in weights:
+            if any(t is not None and _address(t) % _ALIGNED for t in pair):
                 return None
         return weights
 
@@ -371,6 +371,13 @@ def _log_softmax_rows(out: torch.Tensor) -> torch.Tensor:
     t = out.new_zeros(c, n + (-n) % 32)
     t[:, :n] = out.t()
     return F.log_softmax(t, 0)[:, :n].t()
+
+
+def _address(t: torch.Tensor) -> int:
+    """Where ``t``'s first element lies, read without a write access: ``data_ptr`` copies a
+    copy-on-write tensor (a state that a sent message shares, ``wire._private_copy``) into
+    memory of its own, a second model per peer (torch's stubs lack ``const_data_ptr``)."""
+    return int(t.const_data_ptr())  # type: ignore[attr-defined]
 
 
 _ALIGNED = 64
