@@ -166,11 +166,14 @@ def child(workload: str, peers: int, threads: int) -> dict[str, Any]:
 
 
 def _data_tensors(data: Any) -> list[Any]:
-    """The dataset's tensors, each storage once (the peers' splits are views of a few)."""
+    """The dataset's tensors, each storage once (the peers' splits are views of a few, or
+    rows of the dataset's: ``PeerData.rows``, which older trees lack)."""
     seen: dict[int, Any] = {}
     for p in data.peers:
-        for t in (p.train_x, p.train_y, p.val_x, p.val_y):
-            seen.setdefault(t.untyped_storage().data_ptr(), t)
+        own = [p.source_x, p.source_y, p.rows] if hasattr(p, "rows") else [p.train_x, p.train_y]
+        for t in (*own, p.val_x, p.val_y):
+            if t is not None:
+                seen.setdefault(t.untyped_storage().data_ptr(), t)
     for t in (data.test_x, data.test_y):
         seen.setdefault(t.untyped_storage().data_ptr(), t)
     return list(seen.values())

@@ -9,11 +9,18 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import run_cli
+from conftest import experiment, run_cli
+from p2pfl.app.experiment import build
 from p2pfl.core.errors import ConfigError
+from p2pfl.core.seeding import torch_generator
 from p2pfl.data.datasets import Dataset
-from p2pfl.data.federated import make_federated_data
+from p2pfl.data.federated import PeerData, make_federated_data
 from p2pfl.data.partition import iid
+from p2pfl.learning import batched
+from p2pfl.learning.training import TrainConfig
+from p2pfl.methods.attacks.label_flip import LabelFlip
+
+CPU = torch.device("cpu")
 
 LABELS = np.repeat(np.arange(10), 50)  # 500 samples
 
@@ -88,9 +95,10 @@ def tiny() -> Dataset:
     return Dataset("tiny", x, y, x[:8], y[:8], num_classes=4)
 
 
-def test_peers_are_views_of_one_gather_not_copies_each() -> None:
-    """120 peers over 40 samples: each peer's split is a slice of one tensor (the layout
-    batched training pools without a copy), holding exactly its drawn rows."""
+def test_peers_share_the_datasets_rows_instead_of_copies() -> None:
+    """120 peers over 40 samples (480 training rows drawn): each peer's split is its rows
+    of the dataset's own tensors, the indices of all peers end to end in one tensor (the
+    layout batched training pools without a copy), holding exactly its drawn rows."""
     data = tiny()
     options = {"name": "iid", "samples_per_peer": 5, "replace": True, "val_fraction": 0.2}
     fed = make_federated_data(data, options, num_peers=120, seed=0)
@@ -98,12 +106,14 @@ def test_peers_are_views_of_one_gather_not_copies_each() -> None:
         data.train_y.numpy(), 120, np.random.default_rng([0, 2]), samples_per_peer=5, replace=True
     )
     assert len(fed.peers) == 120
-    train = {p.train_x.untyped_storage().data_ptr() for p in fed.peers}
+    assert all(p.source_x is data.train_x and p.source_y is data.train_y for p in fed.peers)
+    rows = {p.rows.untyped_storage().data_ptr() for p in fed.peers if p.rows is not None}
     val = {p.val_x.untyped_storage().data_ptr() for p in fed.peers}
-    assert len(train) == 1 and len(val) == 1  # one tensor each, every peer a slice of it
-    offsets = [p.train_x.storage_offset() for p in fed.peers]
-    assert offsets == [i * 4 * 4 for i in range(120)]  # end to end, 4 rows of 4 values
+    assert len(rows) == 1 and len(val) == 1  # one tensor each, every peer a slice of it
+    offsets = [p.rows.storage_offset() for p in fed.peers if p.rows is not None]
+    assert offsets == [i * 4 for i in range(120)]  # end to end, 4 rows each
     for p, idx in zip(fed.peers, parts, strict=True):
+        assert p.num_train == 4
         assert torch.equal(p.val_x, data.train_x[idx[:1]])  # the first fifth held out
         assert torch.equal(p.train_x, data.train_x[idx[1:]])
         assert torch.equal(p.train_y, data.train_y[idx[1:]])
@@ -112,6 +122,82 @@ def test_peers_are_views_of_one_gather_not_copies_each() -> None:
     assert all(
         torch.equal(a.train_x, b.train_x) for a, b in zip(fed.peers, again.peers, strict=True)
     )
+    # the pool is the dataset itself: its bytes do not grow with the peers
+    pool = batched.DataPool(fed.peers)
+    x, y = pool.on(CPU)
+    assert x.data_ptr() == data.train_x.data_ptr() and y.data_ptr() == data.train_y.data_ptr()
+    assert x.untyped_storage().nbytes() == data.train_x.untyped_storage().nbytes() == 40 * 16
+    assert pool.rows is not None and pool.rows.data_ptr() == fed.peers[0].rows.data_ptr()
+    assert torch.equal(pool.rows, torch.from_numpy(np.concatenate([i[1:] for i in parts])))
+
+
+def test_fewer_rows_than_the_dataset_are_copied_as_before() -> None:
+    """6 peers x 5 over 40 samples: the copies (24 rows) are smaller than the dataset, so
+    each peer holds its own, a slice of one gathered tensor, and the pool takes it as is."""
+    data = tiny()
+    options = {"name": "iid", "samples_per_peer": 5, "replace": True, "val_fraction": 0.2}
+    fed = make_federated_data(data, options, num_peers=6, seed=0)
+    assert all(p.rows is None for p in fed.peers)
+    assert len({p.train_x.untyped_storage().data_ptr() for p in fed.peers}) == 1
+    assert fed.peers[0].train_x.untyped_storage().nbytes() == 24 * 16
+    pool = batched.DataPool(fed.peers)
+    assert pool.rows is None and pool.on(CPU)[0].data_ptr() == fed.peers[0].train_x.data_ptr()
+
+
+@pytest.mark.parametrize(
+    ("hidden", "cfg"),
+    [
+        ([], TrainConfig(batch_size=4, lr=0.5)),
+        ([16], TrainConfig(epochs=2, batch_size=3, momentum=0.9, weight_decay=1e-3)),
+    ],
+)
+def test_batched_training_on_shared_rows_gives_the_bits_of_copies(hidden, cfg) -> None:
+    """90 peers x 7 digits of 150 (with replacement, so the peers share the dataset's
+    rows): batched training through the pool's index gives every peer the bits that
+    batched training on copies of its rows gives, and the one-by-one loop the bits of
+    the loop on the copies; an attacker's own rows (label flipping) among the shared
+    ones make the pool copy them all, to the same bits."""
+    setup = build(
+        experiment(
+            dataset={"name": "digits", "subset": 150, "test_subset": 50},
+            partition={"name": "iid", "samples_per_peer": 7, "replace": True, "val_fraction": 0},
+            model={"name": "mlp", "hidden": hidden},
+            peers={"count": 90},
+        )
+    )
+    shared = setup.data.peers
+    assert all(p.rows is not None for p in shared)
+    copies = [PeerData(p.train_x.clone(), p.train_y.clone(), p.val_x, p.val_y) for p in shared]
+    init, module = setup.trainer.init_state(0), setup.trainer.module(CPU)
+
+    def together(peers: list[PeerData]) -> list[dict[str, torch.Tensor]]:
+        pool = batched.DataPool(peers)
+        jobs = [batched.Job(init, p, torch_generator(0, "t", p)) for p in range(len(peers))]
+        return [r.state for r in batched.train_batched(module, pool, jobs, cfg, CPU)]
+
+    def loop(peers: list[PeerData]) -> list[dict[str, torch.Tensor]]:
+        train = setup.trainer.train
+        return [
+            train(init, p, cfg, torch_generator(0, "t", i), CPU).state for i, p in enumerate(peers)
+        ]
+
+    def same(a: list[dict[str, torch.Tensor]], b: list[dict[str, torch.Tensor]]) -> bool:
+        return all(torch.equal(x[k], y[k]) for x, y in zip(a, b, strict=True) for k in x)
+
+    pooled = together(shared)
+    assert same(pooled, together(copies))
+    one_by_one = loop(shared)
+    assert same(one_by_one, loop(copies))
+    for a, b in zip(one_by_one, pooled, strict=True):  # the loop sums in another order
+        for k in a:
+            torch.testing.assert_close(b[k], a[k], rtol=1e-5, atol=1e-6)
+    mixed = list(shared)
+    mixed[3] = LabelFlip().poison(shared[3], 10)
+    assert mixed[3].rows is None  # the attacker holds rows of its own
+    result = together(mixed)
+    assert all(p.rows is None for p in mixed)  # the pool copied every peer's rows
+    assert same(result[:3] + result[4:], pooled[:3] + pooled[4:])
+    assert not same(result[3:4], pooled[3:4])  # it trained on its flipped labels
 
 
 def test_a_gossip_run_with_more_peers_than_samples_from_the_command_line(tmp_path) -> None:

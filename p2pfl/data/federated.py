@@ -21,16 +21,49 @@ _PARTITION_TAG = 2  # mixes into the run seed so the partition is its own random
 
 @dataclass
 class PeerData:
-    """One peer's local data: a train split and a held-out validation split."""
+    """One peer's local data: a train split and a held-out validation split.
 
-    train_x: torch.Tensor
-    train_y: torch.Tensor
+    The train split is the peer's own tensors ``source_x``/``source_y``, or with ``rows``
+    (an int64 index) those rows of them: tensors that many peers share, the dataset's own
+    where the peers' samples outnumber it (``iid`` with ``replace: true``:
+    :func:`make_federated_data`), so a sample that k peers drew is held once, not k times.
+    :attr:`train_x`/:attr:`train_y` are the split either way (gathered on each read where
+    ``rows`` is set); batched training reads the rows through
+    :class:`~p2pfl.learning.batched.DataPool`'s index instead.
+    """
+
+    source_x: torch.Tensor
+    source_y: torch.Tensor
     val_x: torch.Tensor
     val_y: torch.Tensor
+    rows: torch.Tensor | None = None
+
+    @property
+    def train_x(self) -> torch.Tensor:
+        return self.source_x if self.rows is None else self.source_x[self.rows]
+
+    @train_x.setter
+    def train_x(self, x: torch.Tensor) -> None:
+        self._own()
+        self.source_x = x
+
+    @property
+    def train_y(self) -> torch.Tensor:
+        return self.source_y if self.rows is None else self.source_y[self.rows]
+
+    @train_y.setter
+    def train_y(self, y: torch.Tensor) -> None:
+        self._own()
+        self.source_y = y
+
+    def _own(self) -> None:
+        """Hold the train split as tensors of its own (before one of them is replaced)."""
+        if self.rows is not None:
+            self.source_x, self.source_y, self.rows = self.train_x, self.train_y, None
 
     @property
     def num_train(self) -> int:
-        return len(self.train_y)
+        return len(self.source_y if self.rows is None else self.rows)
 
 
 @dataclass
@@ -144,21 +177,32 @@ def make_federated_data(
                 "samples; lower val_fraction",
             )
     # every peer's training samples end to end in one tensor (batched training takes it as
-    # it is: learning/batched.DataPool), its validation samples in another
+    # it is: learning/batched.DataPool), its validation samples in another; where the
+    # peers' training samples outnumber the dataset's (drawn with replacement), each peer
+    # holds its rows of the dataset's tensors instead, which the peers share: the index
+    # (8 bytes a sample) instead of the copies
     pairs = list(zip(parts, n_val, strict=True))
     train = torch.from_numpy(np.concatenate([idx[v:] for idx, v in pairs]))
     val = torch.from_numpy(np.concatenate([idx[:v] for idx, v in pairs]))
-    train_x, train_y = dataset.train_x[train], dataset.train_y[train]
+    shared = not any(angles) and len(train) > len(dataset.train_y)
+    if shared:
+        train_x, train_y = dataset.train_x, dataset.train_y
+    else:
+        train_x, train_y = dataset.train_x[train], dataset.train_y[train]
     val_x, val_y = dataset.train_x[val], dataset.train_y[val]
     peers = []
     t = v = 0
     for idx, nv, angle in zip(parts, n_val, angles, strict=True):
         nt = len(idx) - nv
-        x, vx = train_x[t : t + nt], val_x[v : v + nv]
-        for part in (x, vx) if angle % 360 else ():
-            if len(part):  # image by image: the same pixels as rotating them together
-                part.copy_(rotate(part, angle, fill))
-        peers.append(PeerData(x, train_y[t : t + nt], vx, val_y[v : v + nv]))
+        vx, vy = val_x[v : v + nv], val_y[v : v + nv]
+        if shared:
+            peers.append(PeerData(train_x, train_y, vx, vy, rows=train[t : t + nt]))
+        else:
+            x = train_x[t : t + nt]
+            for part in (x, vx) if angle % 360 else ():
+                if len(part):  # image by image: the same pixels as rotating them together
+                    part.copy_(rotate(part, angle, fill))
+            peers.append(PeerData(x, train_y[t : t + nt], vx, vy))
         t, v = t + nt, v + nv
 
     domains = list(dict.fromkeys(angles))

@@ -69,18 +69,32 @@ class DataPool:
     """Every peer's training data in one tensor, so a step gathers all peers' batches at once.
 
     Packing makes each peer's ``train_x``/``train_y`` a view into the pool, so the data is
-    still held once. Copies on other devices are made on first use and kept.
+    still held once. Where every peer's split is rows of the same shared tensors
+    (:class:`~p2pfl.data.federated.PeerData`'s ``rows``: the dataset's), the pool is those
+    tensors, held once however many peers drew a sample, and :attr:`rows` maps each pool
+    row to its row of them (:func:`batch_plan` reads through it). Copies on other devices
+    are made on first use and kept.
     """
 
     def __init__(self, peers: list[PeerData]) -> None:
         self.peers = peers
         sizes = [p.num_train for p in peers]
         self.offsets = [0, *itertools.accumulate(sizes)][:-1]
-        self._x = {torch.device("cpu"): _joined([p.train_x for p in peers])}
-        self._y = {torch.device("cpu"): _joined([p.train_y for p in peers])}
+        cpu, first = torch.device("cpu"), peers[0]
+        self.rows: torch.Tensor | None = None
+        """Pool row ``i`` is row ``rows[i]`` of :meth:`on`'s tensors (None: row ``i``)."""
+        if all(
+            p.rows is not None and p.source_x is first.source_x and p.source_y is first.source_y
+            for p in peers
+        ):
+            self._x, self._y = {cpu: first.source_x}, {cpu: first.source_y}
+            self.rows = _joined([p.rows.long() for p in peers if p.rows is not None])
+            return
+        self._x = {cpu: _joined([p.train_x for p in peers])}
+        self._y = {cpu: _joined([p.train_y for p in peers])}
         for p, start, n in zip(peers, self.offsets, sizes, strict=True):
-            p.train_x = self._x[torch.device("cpu")][start : start + n]
-            p.train_y = self._y[torch.device("cpu")][start : start + n]
+            p.train_x = self._x[cpu][start : start + n]
+            p.train_y = self._y[cpu][start : start + n]
 
     def on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """The pooled inputs, flattened to ``[samples, features]``, and labels on ``device``."""
@@ -226,13 +240,13 @@ def train_batched(
 def batch_plan(
     pool: DataPool, jobs: list[Job], batch_size: int, epochs: int
 ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-    """Every peer's batches, step by step, as rows of the pool.
+    """Every peer's batches, step by step, as rows of the pool's tensors (:meth:`DataPool.on`).
 
     ``jobs`` must be sorted by data size, largest first. Returns ``index``
-    ``[steps, peers, batch_size]`` (padding points at row 0), ``weight`` (1/batch size on
-    real slots, 0 on padding: each peer's mean loss) and, per step, how many leading peers
-    take it. The orders come from each job's generator exactly as the per-peer loop draws
-    them.
+    ``[steps, peers, batch_size]`` (padding points at the pool's row 0), ``weight``
+    (1/batch size on real slots, 0 on padding: each peer's mean loss) and, per step, how
+    many leading peers take it. The orders come from each job's generator exactly as the
+    per-peer loop draws them.
     """
     peers = len(jobs)
     sizes = [pool.peers[job.peer].num_train for job in jobs]
@@ -258,7 +272,8 @@ def batch_plan(
     real = index >= 0
     count = real.sum(-1, keepdim=True)
     active = (count.squeeze(-1) > 0).sum(-1).tolist()
-    return index.clamp(min=0), real / count.clamp(min=1), active
+    index = index.clamp(min=0)
+    return index if pool.rows is None else pool.rows[index], real / count.clamp(min=1), active
 
 
 def replayable(cfg: TrainConfig, proximal: Proximal | None) -> bool:
@@ -285,7 +300,7 @@ def _train_group(
     index, weight, active = batch_plan(pool, ranked, cfg.batch_size, cfg.epochs)
     x_all, y_all = pool.on(device)
     index, weight = index.to(device), weight.to(device)
-    shape = pool.peers[0].train_x.shape[1:]  # one sample's, for models that are not MLPs
+    shape = pool.peers[0].source_x.shape[1:]  # one sample's, for models that are not MLPs
     keys = list(ranked[0].state)
     stacked = {k: torch.stack([j.state[k] for j in ranked]).to(device) for k in keys}
     anchors = [j.proximal.anchor for j in ranked if j.proximal is not None]

@@ -4,7 +4,7 @@ and of He et al. 2022's code)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from p2pfl.data.federated import PeerData
 from p2pfl.methods.attacks.base import ATTACKS, Attack
@@ -16,6 +16,5 @@ class LabelFlip(Attack):
     """Train on flipped labels."""
 
     def poison(self, data: PeerData, num_classes: int) -> PeerData:
-        return replace(
-            data, train_y=num_classes - 1 - data.train_y, val_y=num_classes - 1 - data.val_y
-        )
+        flip = num_classes - 1
+        return PeerData(data.train_x, flip - data.train_y, data.val_x, flip - data.val_y)
