@@ -354,9 +354,12 @@ class ZmqNode(Interpreter):
 
     def close(self, abort: bool = False) -> None:
         """Close every socket: after a finished behaviour, deliver what is queued first (up to
-        the timeout); ``abort`` (the run failed or is being stopped) drops it at once."""
+        the timeout); ``abort`` (the run failed or is being stopped) drops it at once. A
+        peer that may be gone never takes what is queued for it: with a ``network:``
+        section, and after a ``stop:`` condition (every peer stops at ``time_s``, and its
+        last frames may be to a neighbour that has already closed), at most 2 s are given."""
         linger = None
-        if self.network is not None:  # a peer that is gone never takes what is queued for it
+        if self.network is not None or self.halted is not None:
             linger = min(2000, int(self.transport.timeout_s * 1000))
         if abort:
             linger = 0
