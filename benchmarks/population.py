@@ -30,6 +30,11 @@ and the exponent ``k`` of ``c·N^k`` (1.0: linear growth).
 ``git worktree`` of an older revision), interleaved with this tree's, so before and after are
 measured side by side under the same load.
 
+Every child runs under the allocator settings that the ``p2pfl`` command starts under
+(``p2pfl.app.cli.ALLOCATOR``: no thread cache or fast bins, so a freed model's block is
+reused by the next model); ``--glibc-default`` also runs this tree's children under glibc's
+defaults, interleaved, as every run was measured before.
+
 ``--mmap-threshold BYTES`` runs the children with glibc's ``MALLOC_MMAP_THRESHOLD_``: blocks
 above it are mapped on their own and given back when freed, so short-lived buffers (gossip's
 float64 averages, twice a logistic-regression state) do not fragment the heap that the
@@ -37,7 +42,7 @@ states live in.
 
     OMP_NUM_THREADS=1 python benchmarks/population.py [--workload dfedavgm] \
         [--peers 1000 2000 3000 5000 10000] [--base /tmp/wt-old] [--name population] \
-        [--mmap-threshold 49152]
+        [--mmap-threshold 49152] [--glibc-default]
 """
 
 from __future__ import annotations
@@ -225,14 +230,24 @@ def main() -> None:
         "mapped and returned when freed; gossip: 49152, above a logreg state, below its "
         "float64 average)",
     )
+    parser.add_argument(
+        "--glibc-default",
+        action="store_true",
+        help="also run this tree under glibc's default allocator settings, not the p2pfl "
+        "command's (ALLOCATOR), side by side",
+    )
     parser.add_argument("--child", nargs=2, metavar=("WORKLOAD", "PEERS"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         print(json.dumps(child(args.child[0], int(args.child[1]), args.threads)))
         return
+    from p2pfl.app.cli import ALLOCATOR  # not in a child: --base trees lack it
+
     here = Path(__file__).resolve().parents[1]
     trees = {"this": here} | ({"base": args.base.resolve()} if args.base else {})
-    env = os.environ | {"OMP_NUM_THREADS": str(args.threads)}
+    if args.glibc_default:
+        trees["glibc-default"] = here
+    env = os.environ | {"OMP_NUM_THREADS": str(args.threads), "GLIBC_TUNABLES": ALLOCATOR}
     if args.mmap_threshold is not None:
         env["MALLOC_MMAP_THRESHOLD_"] = str(args.mmap_threshold)
     runs: dict[str, list[dict[str, Any]]] = {t: [] for t in trees}
@@ -245,7 +260,8 @@ def main() -> None:
                    "--threads", str(args.threads)]  # fmt: skip
             out = subprocess.run(
                 cmd, check=True, capture_output=True, text=True, cwd=root,
-                env=env | {"PYTHONPATH": str(root)},
+                env=env | {"PYTHONPATH": str(root)}
+                | ({"GLIBC_TUNABLES": ""} if tree == "glibc-default" else {}),
             ).stdout  # fmt: skip
             r = json.loads(out.splitlines()[-1]) | {"load": os.getloadavg()[0]}
             runs[tree].append(r)
@@ -268,7 +284,7 @@ def main() -> None:
             )  # fmt: skip
     fits: dict[str, Any] = {}
     for tree, rs in runs.items():
-        if len(rs) < 2:
+        if len({r["peers"] for r in rs}) < 2:  # one population size: no fit
             continue
         xs = [float(r["peers"]) for r in rs]
         fits[tree] = {

@@ -8,10 +8,13 @@ model state (its ``Finish``); the child then reads its resident set size (RSS, a
 peer is the RSS slope between the smallest and the largest run, against the model's size
 in bytes (a peer's persistent state); the goal is at most 1.5x.
 
-Each run is made twice: with glibc's default allocator settings, whose mmap threshold
+Each run is made three times: with glibc's default allocator settings, whose mmap threshold
 grows as large buffers are freed, so freed model-sized buffers stay in the heap and in the
 RSS; and with ``MALLOC_MMAP_THRESHOLD_=262144``, which keeps every buffer of 256 KiB or more
-in its own mapping, handed back to the system when freed (at the cost of page faults).
+in its own mapping, handed back to the system when freed (at the cost of page faults);
+and a third time under the settings every ``p2pfl`` command starts under
+(``p2pfl.app.cli.ALLOCATOR``: no thread cache or fast bins, so a freed model's block is
+reused by the next model).
 
 torch computes on ``--threads`` threads (default 1; issue 16's 1,000-peer goal is about every
 core, so ``--threads 2`` on this 2-core machine).
@@ -38,6 +41,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import report  # noqa: E402
 
+from p2pfl.app.cli import ALLOCATOR  # noqa: E402
+
 CONFIG = {
     "name": "scale",
     "seed": 0,
@@ -48,7 +53,11 @@ CONFIG = {
     "train": {"epochs": 1, "batch_size": 32, "lr": 0.05, "momentum": 0.9},
     "eval": {"per_peer": False},
 }
-ALLOCATORS = {"default": {}, "mmap>=256KiB": {"MALLOC_MMAP_THRESHOLD_": "262144"}}
+ALLOCATORS = {
+    "default": {"GLIBC_TUNABLES": ""},
+    "mmap>=256KiB": {"GLIBC_TUNABLES": "", "MALLOC_MMAP_THRESHOLD_": "262144"},
+    "p2pfl command": {"GLIBC_TUNABLES": ALLOCATOR},
+}
 METHODS = {
     "fedavg": ({"kind": "star"}, {"name": "fedavg", "participation": 0.1}),
     "dfedavgm": ({"kind": "ring"}, {"name": "dfedavgm"}),

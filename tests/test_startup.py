@@ -19,6 +19,7 @@ import pytest
 import yaml
 
 from conftest import BASE, ROOT
+from p2pfl.app.cli import ALLOCATOR
 from p2pfl.data.datasets import CACHE_VERSION, cache_dir, read_idx
 from p2pfl.runtime.children import STANDBY, Standby, take_standby
 
@@ -64,14 +65,35 @@ def test_a_run_draws_its_partition_in_a_child_and_never_imports_matplotlib(tmp_p
     assert json.loads((out / "summary.json").read_text())["status"] == "ok"
 
 
-def program(code: str) -> subprocess.CompletedProcess[str]:
+def program(code: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     """``code``, then ``p2pfl --help`` through :func:`p2pfl.app.cli.program` (the console
     script's entry), in a fresh interpreter."""
     entry = "import sys\nfrom p2pfl.app.cli import program\nsys.argv = ['p2pfl', '--help']"
     probe = f"{code}\n{entry}\nprogram()"
     return subprocess.run(
-        [sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT, timeout=60
+        [sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT, timeout=60,
+        env=env,
+    )  # fmt: skip
+
+
+@pytest.mark.skipif(
+    not (os.confstr("CS_GNU_LIBC_VERSION") or "").startswith("glibc"), reason="glibc only"
+)
+def test_the_program_starts_again_under_its_allocator_unless_the_user_set_one():
+    """Once, with ``GLIBC_TUNABLES`` set to :data:`~p2pfl.app.cli.ALLOCATOR` (the code
+    before the program runs twice, its exit handler once); a user's own setting, even
+    empty, is kept and the program starts once."""
+    code = (
+        "import atexit, os\nprint('start', flush=True)\n"
+        "atexit.register(lambda: print('tunables', repr(os.environ.get('GLIBC_TUNABLES'))))"
     )
+    env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
+    own_setting = "glibc.malloc.mxfast=64"
+    for own, starts, seen in [(None, 2, ALLOCATOR), ("", 1, ""), (own_setting, 1, own_setting)]:
+        done = program(code, env if own is None else env | {"GLIBC_TUNABLES": own})
+        out = done.stdout
+        assert done.returncode == 0, done.stderr
+        assert out.count("start\n") == starts and out.rstrip().endswith(f"tunables {seen!r}"), out
 
 
 def test_the_program_runs_exit_handlers_and_flushes_before_it_leaves():
