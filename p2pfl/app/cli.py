@@ -636,9 +636,10 @@ def _check_memory(setup: Setup, ranks: int, shard: bool) -> None:
 
 SHARD_MODELS = 3
 """Models a simulating process may hold per peer at once, for the memory check before a
-run: the peer's own, a message's and a training's (``benchmarks/population.py``: 1.8 × the
-states above the process at the peak of 10⁴ DFedAvgM peers, 3.1 × for 10⁵ gossip peers,
-whose states are small beside their data and objects; docs/performance.md)."""
+run: the peer's own, a message's and a training's (``benchmarks/population.py``, under the
+command's :data:`ALLOCATOR`: 1.4 × the states above the process at the peak of 10⁴
+DFedAvgM peers, 1.8 × for 10⁵ gossip peers, whose states are small beside their data and
+objects; docs/performance.md)."""
 
 
 NVML_CHECK = "PYTORCH_NVML_BASED_CUDA_CHECK"
@@ -938,10 +939,10 @@ def _with_allocator() -> None:
         return
     with suppress(ValueError, OSError):
         if (os.confstr("CS_GNU_LIBC_VERSION") or "").startswith("glibc"):
-            os.environ["GLIBC_TUNABLES"] = ALLOCATOR
             sys.stdout.flush()
             sys.stderr.flush()
-            os.execv(sys.executable, sys.orig_argv)
+            env = os.environ | {"GLIBC_TUNABLES": ALLOCATOR}
+            os.execve(sys.executable, sys.orig_argv, env)
 
 
 def program() -> NoReturn:
