@@ -500,7 +500,10 @@ def test_a_state_the_template_would_not_take_unchanged_is_scored_through_it():
         trainer.evaluate({k: v for k, v in list(state.items())[1:]}, x, y, CPU)
 
 
-@pytest.mark.skipif(not hasattr(torch, "_lazy_clone"), reason="torch without copy-on-write")
+@pytest.mark.skipif(
+    not (hasattr(torch, "_lazy_clone") and hasattr(torch.Tensor, "const_data_ptr")),
+    reason="torch without copy-on-write or a read-only data_ptr",
+)
 def test_scoring_a_state_shared_copy_on_write_copies_nothing():
     """A state that a message shares copy-on-write (the wire's lazy clone of what a peer
     sends, then scored by the sender) is scored from the shared bytes: the alignment check

@@ -376,8 +376,10 @@ def _log_softmax_rows(out: torch.Tensor) -> torch.Tensor:
 def _address(t: torch.Tensor) -> int:
     """Where ``t``'s first element lies, read without a write access: ``data_ptr`` copies a
     copy-on-write tensor (a state that a sent message shares, ``wire._private_copy``) into
-    memory of its own, a second model per peer (torch's stubs lack ``const_data_ptr``)."""
-    return int(t.const_data_ptr())  # type: ignore[attr-defined]
+    memory of its own, a second model per peer. torch 2.11 has no ``const_data_ptr`` (nor
+    do torch's stubs): there ``data_ptr`` gives the same address, at that memory's cost."""
+    read = getattr(t, "const_data_ptr", t.data_ptr)
+    return int(read())
 
 
 _ALIGNED = 64
