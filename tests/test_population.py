@@ -235,3 +235,33 @@ def test_under_the_commands_allocator_a_freed_model_is_reused_not_stranded():
     misspelt tunable is ignored by glibc, and this fails)."""
     models = 2000 * 50176 * 4
     assert heap_growth(ALLOCATOR) < models / 10
+
+
+@pytest.mark.parametrize("algorithm", ["gossip", "dfedavgm"])
+def test_the_progress_bar_moves_every_round_when_only_the_last_is_scored(
+    tmp_path, monkeypatch, algorithm
+):
+    """A run scored only at its end (``eval.every`` = its rounds, as the population
+    experiments are) moves its progress bar at each round a peer reaches, not from 0 to the
+    end at once: a 10⁵-peer gossip run would otherwise show 0/10 for its whole 7 minutes."""
+    from tqdm import tqdm
+
+    from conftest import experiment
+    from p2pfl.app.experiment import build, run
+    from p2pfl.runtime import worker
+
+    shown: list[int] = []
+
+    class Recording(tqdm):  # type: ignore[type-arg]
+        def update(self, n: float | None = 1) -> bool | None:
+            shown.append(int(self.n + (n or 0)))
+            return super().update(n)
+
+    monkeypatch.setattr(worker, "tqdm", Recording)
+    config = experiment(
+        topology={"kind": "ring"},
+        algorithm={"name": algorithm, "rounds": 4},
+        eval={"every": 4, "per_peer": False},
+    )
+    run(build(config), tmp_path / "run", True)
+    assert shown == [1, 2, 3, 4]

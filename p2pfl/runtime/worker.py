@@ -342,11 +342,13 @@ class Worker:
         save_heatmap(matrix, self.out / f"{eff.name}.png", title, "column", "row")
 
     def evaluate(self, node: int, eff: Evaluate, now: float) -> tuple[float, float] | None:
-        """Score on the global test set when the round is due (``eval.every``, and the last)."""
+        """Score on the global test set when the round is due (``eval.every``, and the last).
+        The progress bar moves at every round a peer reaches, due or not: a run scored only
+        at its end would otherwise show no progress until then."""
+        self._advance(eff.round)
         if eff.round % self.eval_every and eff.round != self.total_rounds:
             return None
         name = self.topology.name(node)
-        self._advance(eff.round)
         if self.ranks is not None:  # no method uses the scores: exchange them at the next flush
             if self.shards is None:  # each rank scores a share: hold a copy to score then
                 held: State | tuple[float, float] | None = {
