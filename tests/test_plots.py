@@ -200,3 +200,27 @@ def test_a_heatmap_of_a_thousand_peers_stays_a_readable_size(tmp_path):
     big = matplotlib.image.imread(tmp_path / "big.png").shape
     sixty = matplotlib.image.imread(tmp_path / "sixty.png").shape
     assert big[:2] == sixty[:2] and big[0] < 2600
+
+
+def test_a_topology_too_large_to_draw_gets_a_histogram_of_its_links_traffic(runs, monkeypatch):
+    """Beyond ``DRAWN_MAX`` nodes the traffic figure is a histogram of the links' MB, not
+    the graph (100,000 nodes drawn with their labels took 4.5 minutes): a bar per amount a
+    link carried, its height the number of links, every link counted once."""
+    run = plots.read_run(runs["dfedavgm"])
+    topology = plots.topology_of(run)
+    per_link = plots.link_bytes(run, topology)
+    monkeypatch.setattr(plots, "DRAWN_MAX", topology.num_peers - 1)
+    ax = plots.traffic_figure([("ring", [run])]).axes[0]
+    assert ax.get_yscale() == "log" and not ax.texts  # no node labels, no graph
+    bars = {round(p.get_x() + p.get_width() / 2, 9): p.get_height() for p in ax.patches}
+    mb = [per_link[frozenset(e)] / 1e6 for e in topology.graph.edges]
+    assert bars == {round(v, 9): mb.count(v) for v in set(mb)}
+    assert sum(bars.values()) == topology.graph.number_of_edges()
+
+
+def test_only_a_small_graph_is_drawn_with_node_labels(runs, monkeypatch):
+    run = plots.read_run(runs["dfedavgm"])
+    labelled = plots.traffic_figure([("ring", [run])]).axes[0]
+    assert sorted(t.get_text() for t in labelled.texts) == ["0", "1", "2", "3"]
+    monkeypatch.setattr(plots, "LABEL_MAX", 3)
+    assert not plots.traffic_figure([("ring", [run])]).axes[0].texts

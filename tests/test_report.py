@@ -328,3 +328,23 @@ def test_the_same_runs_give_the_same_page_but_for_its_date(runs):
     date = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d UTC")
     first, second = (date.sub("DATE", render(paths, "p2pfl report ...")) for _ in range(2))
     assert first == second and first.count("DATE") == 1
+
+
+def test_a_large_population_is_sent_by_direction_in_blocks_of_nodes(runs, monkeypatch):
+    """Beyond ``DIRECTION_MAX`` nodes the by-direction matrix sums blocks of consecutive
+    node ids (10⁵ nodes one by one asked for a 75 GiB matrix and crashed the report): every
+    byte of comm.csv is in its block."""
+    from p2pfl.reporting import plots, report
+
+    run = plots.read_run(runs["quickstart"])  # 10 peers and the server: 11 nodes
+    whole = report.direction_figure(run)[0].axes[0].images[0].get_array()
+    monkeypatch.setattr(report, "DIRECTION_MAX", 4)
+    figure, caption = report.direction_figure(run)
+    blocks = figure.axes[0].images[0].get_array()
+    assert whole.shape == (11, 11) and blocks.shape == (4, 4)  # blocks of 3 nodes
+    assert "each block of 3 consecutive nodes" in caption
+    for i in range(4):
+        for j in range(4):
+            assert blocks[i, j] == pytest.approx(whole[3 * i : 3 * i + 3, 3 * j : 3 * j + 3].sum())
+    total = json.loads((runs["quickstart"] / "summary.json").read_text())["comm"]["total_bytes"]
+    assert blocks.sum() == pytest.approx(total / 1e6)

@@ -51,13 +51,16 @@ from p2pfl.core.errors import ConfigError
 from p2pfl.core.seeding import derive_seed
 from p2pfl.core.yaml_io import read_yaml
 from p2pfl.network.topology import Topology, build_topology
-from p2pfl.reporting.heatmap import heatmap_figure
+from p2pfl.reporting.heatmap import LABEL_MAX, heatmap_figure
 from p2pfl.reporting.progress import SOURCES, Sent, accuracy_series
 from p2pfl.reporting.reporters import ended_well
 
 FORMATS = ("png", "svg")
 LINES = ("-", "--", ":", "-.")  # line i gets style i, so identical curves stay visible
 MARKERS = ("o", "s", "^", "D", "v")
+DRAWN_MAX = 1000
+"""Nodes up to which the traffic figure draws the graph; beyond, a histogram of the links'
+traffic (100,000 nodes drawn took minutes and showed a grey ring)."""
 
 
 @dataclass
@@ -278,12 +281,23 @@ def accuracy_figure(lines: list[tuple[str, list[Run]]]) -> Figure:
 
 
 def topology_of(run: Run) -> Topology:
+    """The run's graph, built again from its ``config.yaml``; the last few are kept (a
+    random graph of 10⁵ nodes takes seconds to build, and a report draws it twice)."""
     c = run.config
-    seed = derive_seed(c["seed"], "topology")
-    try:
-        return build_topology(c["topology"], c["peers"]["count"], seed)
-    except ConfigError as e:
-        raise ConfigError("", f"{run.path / 'config.yaml'}: topology.{e}") from None
+    key = json.dumps([c["topology"], c["peers"]["count"], c["seed"]], sort_keys=True, default=repr)
+    if key not in _TOPOLOGIES:
+        seed = derive_seed(c["seed"], "topology")
+        try:
+            topology = build_topology(c["topology"], c["peers"]["count"], seed)
+        except ConfigError as e:
+            raise ConfigError("", f"{run.path / 'config.yaml'}: topology.{e}") from None
+        if len(_TOPOLOGIES) >= 4:
+            _TOPOLOGIES.clear()
+        _TOPOLOGIES[key] = topology
+    return _TOPOLOGIES[key]
+
+
+_TOPOLOGIES: dict[str, Topology] = {}
 
 
 def link_bytes(run: Run, topology: Topology) -> dict[frozenset[int], int]:
@@ -322,6 +336,10 @@ def traffic_figure(lines: list[tuple[str, list[Run]]]) -> Figure:
     fig = Figure(figsize=(4.2 * cols + 1, 4.2 * rows), layout="constrained")
     axes = np.atleast_1d(fig.subplots(rows, cols, squeeze=False)).ravel()
     for ax, (name, topology, edges, values) in zip(axes, drawn, strict=False):
+        if topology.graph.number_of_nodes() > DRAWN_MAX:
+            _link_histogram(ax, values, norm, cmap)
+            ax.set_title(f"{name}\n{sum(values):.3g} MB on {topology.kind} links", fontsize=8)
+            continue
         pos = layout(topology)
         idle = [e for e, v in zip(edges, values, strict=True) if v == 0]
         nx.draw_networkx_edges(
@@ -333,9 +351,12 @@ def traffic_figure(lines: list[tuple[str, list[Run]]]) -> Figure:
             width=[1 + 6 * values[i] / top for i in order],
             edge_color=[cmap(norm(values[i])) for i in order],
         )  # fmt: skip
-        nx.draw_networkx_nodes(topology.graph, pos, ax=ax, node_size=220, node_color="#dddddd")
-        labels = {n: "S" if n == topology.server else str(n) for n in topology.graph.nodes}
-        nx.draw_networkx_labels(topology.graph, pos, labels, ax=ax, font_size=7)
+        nodes = topology.graph.number_of_nodes()
+        size = 220 * min(1.0, LABEL_MAX / nodes)  # many nodes: smaller, so the circle shows
+        nx.draw_networkx_nodes(topology.graph, pos, ax=ax, node_size=size, node_color="#dddddd")
+        if nodes <= LABEL_MAX:  # more labels would overlap, and cost seconds each thousand
+            labels = {n: "S" if n == topology.server else str(n) for n in topology.graph.nodes}
+            nx.draw_networkx_labels(topology.graph, pos, labels, ax=ax, font_size=7)
         ax.set_title(f"{name}\n{sum(values):.3g} MB on {topology.kind} links", fontsize=8)
         ax.set_axis_off()
     for ax in axes[len(drawn) :]:
@@ -343,6 +364,22 @@ def traffic_figure(lines: list[tuple[str, list[Run]]]) -> Figure:
     fig.colorbar(ScalarMappable(norm, cmap), ax=axes.tolist(), shrink=0.7, label="MB per link")
     fig.suptitle("Traffic per link, both directions, mean over runs (dotted: unused)", fontsize=9)
     return fig
+
+
+def _link_histogram(ax: Any, values: list[Any], norm: Normalize, cmap: Any) -> None:
+    """A topology too large to draw as a graph: how many links carried how many MB, each
+    bar in the colour its links would have in the drawing (counts on a log axis)."""
+    top = float(norm.vmax or 1.0)
+    distinct, many = np.unique(np.asarray(values, dtype=float), return_counts=True)
+    if len(distinct) <= 40:  # links carry whole messages: a bar per amount
+        gap = float(np.diff(distinct).min()) if len(distinct) > 1 else top
+        centres, counts, width = distinct, many, 0.8 * gap
+    else:
+        counts, bins = np.histogram(values, bins=40, range=(0.0, top))
+        centres, width = (bins[:-1] + bins[1:]) / 2, bins[1] - bins[0]
+    ax.bar(centres, counts, width=width, color=[cmap(norm(c)) for c in centres])
+    ax.set_yscale("log")
+    ax.set(xlabel="MB per link", ylabel="links")
 
 
 def partition_figures(lines: list[tuple[str, list[Run]]]) -> dict[str, Callable[[], Figure]]:

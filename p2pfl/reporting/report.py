@@ -464,16 +464,34 @@ def traffic_section(
     return out
 
 
+DIRECTION_MAX = 500
+"""Rows (and columns) of the by-direction matrix at most: a larger population's nodes are
+taken in blocks of consecutive ids (10⁵ nodes one by one would be a 75 GiB matrix)."""
+
+
 def direction_figure(run: Run) -> tuple[Figure, str]:
-    """MB sent from each node (row) to each node (column): ``comm.csv`` by direction."""
+    """MB sent from each node (row) to each node (column): ``comm.csv`` by direction; from
+    each block of nodes to each block where there are more than :data:`DIRECTION_MAX`."""
     topology = topology_of(run)
     nodes = sorted(topology.graph.nodes, key=lambda n: (n == topology.server, n))
-    index = {topology.name(n): i for i, n in enumerate(nodes)}
-    matrix = np.zeros((len(nodes), len(nodes)))
+    block = -(-len(nodes) // DIRECTION_MAX)  # nodes per row: 1 up to DIRECTION_MAX nodes
+    index = {topology.name(n): i // block for i, n in enumerate(nodes)}
+    size = -(-len(nodes) // block)
+    matrix = np.zeros((size, size))
     for r in run.comm:
         if r["src"] not in index or r["dst"] not in index:
             raise ConfigError("", f"{run.path / 'comm.csv'}: a message between unknown nodes {r}")
         matrix[index[r["src"]], index[r["dst"]]] += int(r["bytes"]) / 1e6
+    if block > 1:
+        fig = heatmap_figure(
+            matrix, f"MB sent, by direction, in blocks of {block:,} nodes",
+            "to (block of node ids)", "from (block of node ids)", colorbar="MB",
+        )  # fmt: skip
+        fig.set_size_inches(8, 6.5)
+        return fig, (
+            f"Bytes sent from each block of {block:,} consecutive nodes (row) to each block "
+            "(column), every message of comm.csv."
+        )
     fig = heatmap_figure(matrix, "MB sent, by direction", "to", "from", colorbar="MB")
     if len(nodes) <= LABEL_MAX:
         names = ["S" if n == topology.server else str(n) for n in nodes]
