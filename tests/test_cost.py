@@ -226,3 +226,30 @@ def test_methods_option_reads_yaml_values():
         cost.parse_methods("fedavg:rounds")
     with pytest.raises(ConfigError, match="--methods dfedavgm.rounds: must be integer"):
         cost.make_method("dfedavgm", {"rounds": "many"}, {"name": "fedavg"})
+
+
+def test_a_mesh_too_large_to_list_is_an_n_a_row_decided_before_it_is_built(
+    tmp_path, capsys, monkeypatch
+):
+    """A topology whose graph and messages would not fit in the free memory is an n/a row,
+    and a mesh is counted, not built (10⁵ peers' default ring, mesh and star once took all
+    24 GB and were killed); the other topologies are still priced."""
+    from p2pfl.runtime import children
+
+    built: list[str] = []
+    real = cost.topology_for
+    monkeypatch.setattr(cost, "topology_for", lambda s, kind: built.append(kind) or real(s, kind))
+    monkeypatch.setattr(children, "available_memory", lambda: 256 * 2**20)
+    file = tmp_path / "exp.yaml"
+    file.write_text(
+        "dataset: {name: digits}\nmodel: {name: mlp, hidden: [8]}\ntopology: {kind: ring}\n"
+        "partition: {name: iid, samples_per_peer: 2, replace: true, val_fraction: 0}\n"
+        "peers: {count: 1000}\nalgorithm: {name: dfedavgm, rounds: 1}\n"
+    )
+    out = tmp_path / "cost"
+    assert main(["cost", str(file), "--topologies", "ring,mesh", "--out", str(out)]) == 0
+    assert "n/a: 1,000 peers on a mesh have 499,500 links" in capsys.readouterr().out
+    assert built == ["ring"]
+    with (out / "cost.csv").open() as f:
+        rows = [(r["topology"], r["status"], r["messages"]) for r in csv.DictReader(f)]
+    assert rows == [("ring", "ok", "2000"), ("mesh", "n/a", "")]
