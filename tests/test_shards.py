@@ -229,3 +229,32 @@ def test_each_rank_trains_its_next_chunk_of_a_cohort_at_once(tmp_path, monkeypat
     assert spread(exp, tmp_path / "one", 1) == 0
     assert spread(exp, tmp_path / "three", 3, "--shard") == 0
     assert outputs(tmp_path / "three") == outputs(tmp_path / "one")
+
+
+@pytest.mark.parametrize("command", ["run", "peer"])
+def test_node_processes_that_do_not_fit_in_memory_are_one_error_line(
+    tmp_path, capsys, monkeypatch, command
+):
+    """A real run forks a process per node on this host, 8 MiB and 3 models each: four
+    peers and a server of a 68 MB model (5 × (8 MiB + 204 MB) = 1.03 GiB) with 300 MiB
+    free are refused before any fork, nothing written (10,000 nodes once forked away)."""
+    monkeypatch.setattr(children, "available_memory", lambda: 300 << 20)
+    monkeypatch.setattr(experiment, "run", lambda *a, **k: pytest.fail("the run started"))
+    big = {"model": {"name": "mlp", "hidden": [4096, 4096]}}
+    out = tmp_path / "out"
+    exp = str(exp_file(tmp_path, **big))
+    if command == "run":
+        code = main(["run", exp, "--out", str(out), "--transport", "zmq"])
+        nodes = "5 node processes"
+    else:
+        addresses = tmp_path / "addresses.yaml"
+        addresses.write_text("".join(f"{n}: tcp://127.0.0.1:{5600 + n}\n" for n in range(4)))
+        addresses.write_text(addresses.read_text() + "server: tcp://127.0.0.1:5610\n")
+        args = ["--peer", "0-3", "--addresses", str(addresses), "--out", str(out)]
+        code = main(["peer", exp, *args])
+        nodes = "4 node processes"
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert err.startswith(f"error: peers.count: {nodes} on this host need about"), err
+    assert "0.29 GiB are free: spread the nodes over hosts" in err
+    assert not out.exists()

@@ -378,6 +378,8 @@ def execute(args: argparse.Namespace, sweep: bool | None = None) -> Done:
             _check_spread(setup, max(args.workers, _world()[0]), args.shard)
         elif args.transport == "sim":
             _check_memory(setup, 1, shard=False)
+        else:
+            _check_nodes(setup, setup.topology.graph.number_of_nodes())
         with _ranks(args.workers, threads, setup, args.shard) as ranks, _claimed(out, args.force):
             summary = run(setup, out, not args.quiet, args.transport, ranks)
     return Done(out, summary, 0)
@@ -634,6 +636,32 @@ def _check_memory(setup: Setup, ranks: int, shard: bool) -> None:
     )
 
 
+def _check_nodes(setup: Setup, nodes: int) -> None:
+    """``nodes`` processes of a real run on this host (``--transport zmq``, ``p2pfl peer``),
+    each about :data:`NODE_MEMORY` and :data:`SHARD_MODELS` models of its own: more than
+    the free memory holds is refused before any is forked, not killed by the kernel."""
+    from p2pfl.learning.state import state_bytes
+    from p2pfl.runtime.children import available_memory
+
+    free = available_memory()
+    if free is None:
+        return
+    need = nodes * (NODE_MEMORY + SHARD_MODELS * state_bytes(setup.init_state()))
+    if need <= free:
+        return
+    raise ConfigError(
+        "peers.count",
+        f"{nodes:,} node processes on this host need about {need / 2**30:.2f} GiB "
+        f"({NODE_MEMORY >> 20} MiB and {SHARD_MODELS} models each); {free / 2**30:.2f} GiB are "
+        "free: spread the nodes over hosts (p2pfl peer --peer A-B) or simulate them",
+    )
+
+
+NODE_MEMORY = 8 << 20
+"""Private memory of a forked node besides its models (benchmarks/peers_per_host.py: 8.0-8.1
+MiB the median at 200-1,000 nodes; docs/performance.md)."""
+
+
 SHARD_MODELS = 3
 """Models a simulating process may hold per peer at once, for the memory check before a
 run: the peer's own, a message's and a training's (``benchmarks/population.py``, under the
@@ -768,6 +796,7 @@ def _peer(args: argparse.Namespace) -> int:
     except ConfigError as e:
         e.file = e.file or args.experiment
         raise
+    _check_nodes(setup, len(nodes))
     out = output_dir(args.out)
     with launcher.claimed(setup, nodes, out):
         if len(nodes) == 1:
