@@ -272,3 +272,38 @@ def test_a_listener_ends_when_nothing_else_can_happen_not_at_a_leftover_timer():
     for seen in (listener_pair(), listener_pair(crashes)):
         assert seen["sender"] == seen["listener"] == seen["end"] == pytest.approx(acked)
         assert seen["finals"] == [0, 1]
+
+
+def test_full_collections_are_rarer_only_while_a_simulation_runs(tmp_path, monkeypatch):
+    """While the simulation runs the cyclic collector's third threshold is FULL_RARER times
+    the caller's (full collections over the peers' objects took most of a 10⁴-peer run's
+    collecting), and the caller's thresholds are back afterwards, also after a failure."""
+    import gc
+
+    from p2pfl.app.experiment import run
+    from p2pfl.runtime import sim
+
+    seen: list[tuple[int, int, int]] = []
+    quiet = SimRuntime._run_until_quiet
+
+    def recording(self):
+        seen.append(gc.get_threshold())
+        return quiet(self)
+
+    monkeypatch.setattr(SimRuntime, "_run_until_quiet", recording)
+    before = gc.get_threshold()
+    try:
+        gc.set_threshold(500, 7, 3)
+        run(build(experiment()), tmp_path / "run")
+        assert seen and set(seen) == {(500, 7, 3 * sim.FULL_RARER)}
+        assert gc.get_threshold() == (500, 7, 3)
+
+        def failing(self):
+            raise RuntimeError("a run that fails")
+
+        monkeypatch.setattr(SimRuntime, "_run_until_quiet", failing)
+        with pytest.raises(RunError):
+            run(build(experiment()), tmp_path / "failed")
+        assert gc.get_threshold() == (500, 7, 3)
+    finally:
+        gc.set_threshold(*before)
