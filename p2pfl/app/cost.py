@@ -196,13 +196,10 @@ LINK_BYTES = 170
 a link)."""
 
 
-def too_large(peers: int, kind: str, links: int, rounds: int) -> str | None:
+def too_large(peers: int, kind: str, links: int, rounds: int, free: int | None) -> str | None:
     """Why ``kind`` cannot be priced for ``peers`` peers joined by ``links`` links over
     ``rounds`` rounds, if holding the graph and listing its messages (at most about two per
-    link and round) would take more memory than this host has free."""
-    from p2pfl.runtime.children import available_memory
-
-    free = available_memory()
+    link and round) would take more than the ``free`` bytes of memory (None: unknown)."""
     need = links * (LINK_BYTES + 2 * max(rounds, 1) * PLAN_BYTES)
     if free is None or need <= free:
         return None
@@ -221,33 +218,34 @@ def analyse(
 ) -> list[dict[str, Any]]:
     """One row per method × topology kind for the experiment ``setup``. A mesh is counted
     before it is built: 10⁵ peers' would not fit in memory."""
+    from p2pfl.runtime.children import available_memory
+
     peers = setup.topology.num_peers
-    graphs: dict[str, Topology | int] = {
-        kind: peers * (peers - 1) // 2
-        if kind == "mesh" and setup.topology.kind != "mesh"
-        else topology_for(setup, kind)
-        for kind in kinds
-    }
+    counted = {"mesh": peers * (peers - 1) // 2} if setup.topology.kind != "mesh" else {}
+    topologies = {kind: topology_for(setup, kind) for kind in kinds if kind not in counted}
     made = [
         (item, make_method(name, keys, setup.config["algorithm"]), name)
         for item, name, keys in methods
     ]
     most = max(method.total_rounds(peers) for _, method, _ in made)
-    refused: dict[str, str | None] = {}
-    for kind, graph in graphs.items():
-        links = graph if isinstance(graph, int) else graph.graph.number_of_edges()
-        refused[kind] = too_large(peers, kind, links, most)
-        if refused[kind] is None and isinstance(graph, int):
-            graphs[kind] = topology_for(setup, kind)
+    free = available_memory()
+    refused: dict[str, str] = {}
+    for kind in dict.fromkeys(kinds):
+        links = counted[kind] if kind in counted else topologies[kind].graph.number_of_edges()
+        why = too_large(peers, kind, links, most, free)
+        if why is not None:
+            refused[kind] = why
+        elif kind not in topologies:
+            topologies[kind] = topology_for(setup, kind)
     rows = []
     for item, method, name in made:
         note = "cost only (not runnable)" if name in COST_ONLY else ""
-        for kind, topology in graphs.items():
+        for kind in kinds:
             row: dict[str, Any] = {"method": item, "topology": kind, "rounds": None}
-            why = refused[kind]
-            if why is not None or isinstance(topology, int):
-                rows.append(row | {"status": "n/a", "note": why})
+            if kind in refused:
+                rows.append(row | {"status": "n/a", "note": refused[kind]})
                 continue
+            topology = topologies[kind]
             row["topology"] = topology.kind
             try:
                 method.check(topology, setup.seed)

@@ -373,13 +373,18 @@ def _log_softmax_rows(out: torch.Tensor) -> torch.Tensor:
     return F.log_softmax(t, 0)[:, :n].t()
 
 
+_READ_ADDRESS: Callable[[torch.Tensor], int] = getattr(
+    torch.Tensor, "const_data_ptr", torch.Tensor.data_ptr
+)
+"""``const_data_ptr``, else (torch 2.11, and torch's stubs) ``data_ptr``: see :func:`_address`."""
+
+
 def _address(t: torch.Tensor) -> int:
     """Where ``t``'s first element lies, read without a write access: ``data_ptr`` copies a
     copy-on-write tensor (a state that a sent message shares, ``wire._private_copy``) into
-    memory of its own, a second model per peer. torch 2.11 has no ``const_data_ptr`` (nor
-    do torch's stubs): there ``data_ptr`` gives the same address, at that memory's cost."""
-    read = getattr(t, "const_data_ptr", t.data_ptr)
-    return int(read())
+    memory of its own, a second model per peer. torch 2.11 has no ``const_data_ptr``:
+    there ``data_ptr`` gives the same address, at that memory's cost."""
+    return int(_READ_ADDRESS(t))
 
 
 _ALIGNED = 64

@@ -336,9 +336,9 @@ def traffic_figure(lines: list[tuple[str, list[Run]]]) -> Figure:
     fig = Figure(figsize=(4.2 * cols + 1, 4.2 * rows), layout="constrained")
     axes = np.atleast_1d(fig.subplots(rows, cols, squeeze=False)).ravel()
     for ax, (name, topology, edges, values) in zip(axes, drawn, strict=False):
+        ax.set_title(f"{name}\n{sum(values):.3g} MB on {topology.kind} links", fontsize=8)
         if topology.graph.number_of_nodes() > DRAWN_MAX:
             _link_histogram(ax, values, norm, cmap)
-            ax.set_title(f"{name}\n{sum(values):.3g} MB on {topology.kind} links", fontsize=8)
             continue
         pos = layout(topology)
         idle = [e for e, v in zip(edges, values, strict=True) if v == 0]
@@ -357,7 +357,6 @@ def traffic_figure(lines: list[tuple[str, list[Run]]]) -> Figure:
         if nodes <= LABEL_MAX:  # more labels would overlap, and cost seconds each thousand
             labels = {n: "S" if n == topology.server else str(n) for n in topology.graph.nodes}
             nx.draw_networkx_labels(topology.graph, pos, labels, ax=ax, font_size=7)
-        ax.set_title(f"{name}\n{sum(values):.3g} MB on {topology.kind} links", fontsize=8)
         ax.set_axis_off()
     for ax in axes[len(drawn) :]:
         ax.set_axis_off()
