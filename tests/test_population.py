@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from conftest import DEVICE, run_cli, run_experiment
-from p2pfl.app.cli import ALLOCATOR
+from p2pfl.app.cli import ALLOCATOR, on_glibc
 from p2pfl.learning import state
 from p2pfl.learning.state import clone_state
 from p2pfl.network import wire
@@ -225,9 +225,7 @@ def heap_growth(tunables: str) -> int:
     return int(done.stdout.split()[-1])
 
 
-@pytest.mark.skipif(
-    not (os.confstr("CS_GNU_LIBC_VERSION") or "").startswith("glibc"), reason="glibc only"
-)
+@pytest.mark.skipif(not on_glibc(), reason="glibc only")
 def test_under_the_commands_allocator_a_freed_model_is_reused_not_stranded():
     """A model freed by its peer makes room for the next one under the settings every
     ``p2pfl`` command runs with (:data:`~p2pfl.app.cli.ALLOCATOR`): the heap grows by less

@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from conftest import BASE, ROOT
-from p2pfl.app.cli import ALLOCATOR
+from p2pfl.app.cli import ALLOCATOR, on_glibc
 from p2pfl.data.datasets import CACHE_VERSION, cache_dir, read_idx
 from p2pfl.runtime.children import STANDBY, Standby, take_standby
 
@@ -76,9 +76,7 @@ def program(code: str, env: dict[str, str] | None = None) -> subprocess.Complete
     )  # fmt: skip
 
 
-@pytest.mark.skipif(
-    not (os.confstr("CS_GNU_LIBC_VERSION") or "").startswith("glibc"), reason="glibc only"
-)
+@pytest.mark.skipif(not on_glibc(), reason="glibc only")
 def test_the_program_starts_again_under_its_allocator_unless_the_user_set_one():
     """Once, with ``GLIBC_TUNABLES`` set to :data:`~p2pfl.app.cli.ALLOCATOR` (the code
     before the program runs twice, its exit handler once); a user's own setting, even

@@ -960,18 +960,25 @@ is freed: 10,000 DFedAvgM peers peak at 3.44 GiB instead of 4.2-4.6, in the same
 with the same bits (docs/performance.md, "What the heap holds")."""
 
 
+def on_glibc() -> bool:
+    """Whether this interpreter runs on glibc, whose tunables :data:`ALLOCATOR` sets."""
+    try:
+        return (os.confstr("CS_GNU_LIBC_VERSION") or "").startswith("glibc")
+    except (ValueError, OSError):  # no such name here (not glibc)
+        return False
+
+
 def _with_allocator() -> None:
     """Run this command again, in this process, with :data:`ALLOCATOR` (glibc reads its
     tunables only when a program starts). Not where the user set ``GLIBC_TUNABLES``
     (even empty: theirs is kept) nor without glibc."""
-    if "GLIBC_TUNABLES" in os.environ or not sys.executable:
+    if "GLIBC_TUNABLES" in os.environ or not sys.executable or not on_glibc():
         return
-    with suppress(ValueError, OSError):
-        if (os.confstr("CS_GNU_LIBC_VERSION") or "").startswith("glibc"):
-            sys.stdout.flush()
-            sys.stderr.flush()
-            env = os.environ | {"GLIBC_TUNABLES": ALLOCATOR}
-            os.execve(sys.executable, sys.orig_argv, env)
+    with suppress(OSError):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        env = os.environ | {"GLIBC_TUNABLES": ALLOCATOR}
+        os.execve(sys.executable, sys.orig_argv, env)
 
 
 def program() -> NoReturn:
