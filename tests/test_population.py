@@ -12,6 +12,7 @@ Both are checked against the old behaviour (plain clones; the whole cohort in on
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 import subprocess
@@ -30,6 +31,7 @@ from p2pfl.learning.state import clone_state
 from p2pfl.network import wire
 from p2pfl.network.message import Message
 from p2pfl.runtime import train_batcher
+from p2pfl.runtime.setup import EvalConfig
 from p2pfl.runtime.train_batcher import TrainBatcher
 from p2pfl.runtime.worker import Worker
 
@@ -263,3 +265,62 @@ def test_the_progress_bar_moves_every_round_when_only_the_last_is_scored(
     )
     run(build(config), tmp_path / "run", True)
     assert shown == [1, 2, 3, 4]
+
+
+def metric_rows(out: Path) -> list[dict[str, str]]:
+    with open(out / "metrics.csv", newline="") as f:
+        return list(csv.DictReader(f))
+
+
+RING6 = {
+    "topology": {"kind": "ring"},
+    "peers": {"count": 6},
+    "algorithm": {"name": "dfedavgm", "rounds": 3},
+}
+
+
+def test_eval_peers_scores_one_sample_every_round_and_changes_nothing_else(tmp_path):
+    """``eval.peers`` scores the same sample of peers (drawn from the seed) at every scored
+    round: its rows are the rows those peers have in the run that scores every peer, and
+    nothing else changes (messages, the final model, the peers' final scores); a sample of
+    every peer is the run without the key, byte for byte."""
+    run_experiment(tmp_path / "all", **RING6)
+    run_experiment(tmp_path / "six", **RING6, eval={"peers": 6})
+    run_experiment(tmp_path / "two", **RING6, eval={"peers": 2})
+    full, two = outputs(tmp_path / "all"), outputs(tmp_path / "two")
+    assert outputs(tmp_path / "six") == full
+    assert two["comm.csv"] == full["comm.csv"] and two["summary"] == full["summary"]
+    sample = EvalConfig(peers=2).scored(0, 6)
+    assert sample is not None and len(sample) == 2
+    kept = [r for r in metric_rows(tmp_path / "all") if not r["peer"].isdigit()
+            or int(r["peer"]) in sample]  # fmt: skip
+    assert metric_rows(tmp_path / "two") == kept
+    rounds = {(r["round"], int(r["peer"])) for r in kept if r["peer"].isdigit()}
+    assert rounds == {(k, p) for k in "123" for p in sample}
+
+
+def test_eval_peers_always_scores_a_server(tmp_path):
+    """FedAvg scores its server's model each round; a sample of one peer leaves those rows."""
+    run_experiment(tmp_path / "all")  # BASE: FedAvg on a star of 4 peers
+    run_experiment(tmp_path / "one", eval={"peers": 1})
+    rows = metric_rows(tmp_path / "one")
+    assert rows == metric_rows(tmp_path / "all")
+    assert [r["round"] for r in rows if r["peer"] == "server" and r["metric"] == "accuracy"] == [
+        "1",
+        "2",
+    ]
+
+
+def test_eval_peers_writes_the_bytes_of_one_process_over_ranks(tmp_path):
+    """Over ranks a peer outside the sample defers nothing: 2 ranks, and 3 sharded ones,
+    write what one process does."""
+    from test_ranks import exp_file, spread
+    from test_ranks import outputs as rank_outputs
+
+    exp = exp_file(tmp_path, **RING6, eval={"every": 2, "peers": 3})
+    assert spread(exp, tmp_path / "one", 1) == 0
+    assert spread(exp, tmp_path / "two", 2) == 0
+    assert spread(exp, tmp_path / "three", 3, "--shard") == 0
+    one = rank_outputs(tmp_path / "one")
+    assert rank_outputs(tmp_path / "two") == one and rank_outputs(tmp_path / "three") == one
+    assert one["metrics.csv"].count(b",accuracy,") == 2 * 3 + 1  # rounds 2 and 3, and final

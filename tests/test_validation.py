@@ -124,6 +124,9 @@ CATALOGUE: list[tuple[dict[str, Any], list[str], str]] = [
     ({"eval": {"every": 0}}, [], "eval.every"),
     ({"eval": {"matching": {"peers": 9}}}, [], "eval.matching.peers"),
     ({"eval": {"reporters": ["nope"]}}, [], "eval.reporters"),
+    ({"eval": {"peers": 0}}, [], "eval.peers"),
+    ({"eval": {"peers": 5}}, [], "eval.peers"),  # BASE has 4 peers
+    ({"eval": {"peers": True}}, [], "eval.peers"),
     # transport
     ({"transport": {"timeout_s": 0}}, [], "transport.timeout_s"),
     ({"transport": {"curve_keys": "/nonexistent"}}, ["--transport", "zmq"], "transport.curve_keys"),

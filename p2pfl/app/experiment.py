@@ -94,6 +94,10 @@ def build(experiment: Resolved, transport: str = "sim") -> Setup:
     if population.batched and (why := unbatchable(trainer.module(torch.device("cpu")))):
         raise ConfigError("batched", why).within("peers")
     evaluation = experiment.eval
+    if evaluation.peers is not None and evaluation.peers > topology.num_peers:
+        raise ConfigError(
+            "peers", f"{evaluation.peers} peers to score, but the run has {topology.num_peers}"
+        ).within("eval")
     if evaluation.matching is not None:
         _within(
             "eval.matching", matching.check, matching.MatchingConfig(**evaluation.matching),

@@ -123,7 +123,8 @@ class Compute:
 @dataclass(frozen=True)
 class Evaluate:
     """Score ``state`` on the global test set and log accuracy and loss; returns ``(acc, loss)``
-    (``None`` in a simulation spread over ranks, which scores it later, at its next flush)."""
+    (``None`` in a simulation spread over ranks, which scores it later, at its next flush, and
+    where the round is not scored: ``eval.every``, ``eval.peers``)."""
 
     state: State
     round: int

@@ -12,7 +12,7 @@ import torch
 
 from p2pfl.core.errors import ConfigError, RunError
 from p2pfl.core.options import bind
-from p2pfl.core.seeding import derive_seed
+from p2pfl.core.seeding import derive_seed, numpy_rng
 from p2pfl.data.federated import FederatedData
 from p2pfl.learning.state import ghost
 from p2pfl.learning.training import TrainConfig, Trainer, resolve_device
@@ -44,6 +44,10 @@ class EvalConfig:
             ``eval.reporters``).
         targets: accuracies in (0, 1] whose time to accuracy ``summary.json`` reports
             (``time_to_accuracy``: the simulated time, bytes and round when first reached).
+        peers: score only this many peers at each scored round, the same sample every
+            round, drawn from the seed (a server is always scored); null: every peer. Where
+            scoring every peer costs more than the study needs: a third of a 10⁴-peer
+            DFedAvgM run (docs/how-to/large-populations.md).
     """
 
     every: int = 1
@@ -52,12 +56,15 @@ class EvalConfig:
     reporters: tuple[str, ...] = ()
     targets: tuple[float, ...] = ()
     every_s: float | None = None  # simulation: score the run's model every so many seconds
+    peers: int | None = None
 
     def __post_init__(self) -> None:
         if self.every < 1:
             raise ConfigError("every", "must be >= 1")
         if self.every_s is not None and not 0 < self.every_s < math.inf:
             raise ConfigError("every_s", f"must be a number of seconds > 0, got {self.every_s}")
+        if self.peers is not None and self.peers < 1:
+            raise ConfigError("peers", f"must be >= 1 (null: every peer), got {self.peers}")
         check_reporters(self.reporters)
         check_targets(self.targets)
         if self.matching is not None:
@@ -66,6 +73,13 @@ class EvalConfig:
             except ConfigError as e:
                 raise e.within("matching") from None
             object.__setattr__(self, "matching", keys)  # stored with its defaults filled in
+
+    def scored(self, seed: int, num_peers: int) -> frozenset[int] | None:
+        """The peers whose models are scored (``peers``' sample), ``None`` for every peer."""
+        if self.peers is None:
+            return None
+        sample = numpy_rng(seed, "eval", "peers").choice(num_peers, self.peers, replace=False)
+        return frozenset(sample.tolist())
 
 
 @dataclass(frozen=True)

@@ -69,6 +69,9 @@ class Worker:
         self.seed = setup.seed
         self.metrics = metrics
         self.eval_every = setup.eval.every
+        self.scored = setup.eval.scored(setup.seed, setup.topology.num_peers)
+        """``eval.peers``' sample (``None``: every peer); nodes past the peers (a server) are
+        always scored."""
         self.total_rounds = setup.method.total_rounds(setup.topology.num_peers)
         self.out = out
         self.baselines: dict[str, float] = {}
@@ -342,11 +345,14 @@ class Worker:
         save_heatmap(matrix, self.out / f"{eff.name}.png", title, "column", "row")
 
     def evaluate(self, node: int, eff: Evaluate, now: float) -> tuple[float, float] | None:
-        """Score on the global test set when the round is due (``eval.every``, and the last).
-        The progress bar moves at every round a peer reaches, due or not: a run scored only
-        at its end would otherwise show no progress until then."""
+        """Score on the global test set when the round is due (``eval.every``, and the last)
+        and the peer is in ``eval.peers``' sample. The progress bar moves at every round a
+        peer reaches, due or not: a run scored only at its end would otherwise show no
+        progress until then."""
         self._advance(eff.round)
         if eff.round % self.eval_every and eff.round != self.total_rounds:
+            return None
+        if self.scored is not None and node < self.topology.num_peers and node not in self.scored:
             return None
         name = self.topology.name(node)
         if self.ranks is not None:  # no method uses the scores: exchange them at the next flush
