@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import networkx as nx
+import numpy as np
 import pytest
 
 from conftest import ROOT
 from p2pfl.core.errors import ConfigError
 from p2pfl.core.yaml_io import read_yaml
 from p2pfl.network.peers import build_population
-from p2pfl.network.topology import DEFAULT_LINK, Link, build_topology
+from p2pfl.network.topology import DEFAULT_LINK, Link, build_topology, s_out
 
 
 def test_ring_mesh_star_shapes():
@@ -82,3 +83,15 @@ def test_peer_speed_spread_is_seeded_and_slow_fraction_exact():
     assert sum(s < 0.05 for s in speeds) == 10
     uniform = build_population(0, count=3)
     assert [p.speed for p in uniform.profiles] == [1.0, 1.0, 1.0]
+
+
+@pytest.mark.parametrize("n,s", [(5, 4), (40, 3), (10_002, 3)])  # 10⁴+: numpy draws otherwise
+def test_s_out_draws_numpys_choice_among_the_other_peers(n, s):
+    """Each peer, in turn, sends to numpy's choice of ``s`` among the other peers (one
+    generator for the graph): the graph the list of the others gives, without the list."""
+    rng = np.random.default_rng(7)
+    others = np.arange(n)
+    want = [
+        (i, int(j)) for i in range(n) for j in rng.choice(np.delete(others, i), s, replace=False)
+    ]
+    assert list(s_out(n, 7, s=s).edges) == want
