@@ -324,3 +324,45 @@ def test_eval_peers_writes_the_bytes_of_one_process_over_ranks(tmp_path):
     one = rank_outputs(tmp_path / "one")
     assert rank_outputs(tmp_path / "two") == one and rank_outputs(tmp_path / "three") == one
     assert one["metrics.csv"].count(b",accuracy,") == 2 * 3 + 1  # rounds 2 and 3, and final
+
+
+def test_a_dense_graph_too_large_for_memory_is_refused_before_it_is_drawn(monkeypatch):
+    """A mesh's links grow as N² (5·10⁹ at 10⁵ peers): one that the free memory cannot
+    hold is a ``ConfigError`` before networkx starts on it; G(n, p) by its expected links;
+    a sparse graph of the same peers is built."""
+    import networkx as nx
+
+    from p2pfl.core.errors import ConfigError
+    from p2pfl.network.topology import LINK_BYTES, build_topology
+
+    monkeypatch.setattr(nx, "complete_graph", lambda n: pytest.fail("drawn"))
+    free = 499_500 * LINK_BYTES - 1  # one byte short of a mesh of 1,000 peers
+    with pytest.raises(ConfigError, match=r"1,000 peers on a mesh have 499,500 links"):
+        build_topology({"kind": "mesh"}, 1000, 0, free=free)
+    with pytest.raises(
+        ConfigError, match=r"1,000 peers on an erdos_renyi have about 149,850 links"
+    ):
+        build_topology({"kind": "erdos_renyi"}, 1000, 0, free=free // 4)  # p = 0.3
+    sparse = build_topology({"kind": "erdos_renyi", "p": 0.05}, 1000, 0, free=free // 4)
+    assert sparse.graph.number_of_nodes() == 1000
+    assert build_topology({"kind": "ring"}, 1000, 0, free=1).graph.number_of_edges() == 1000
+
+
+def test_a_run_on_a_mesh_the_memory_cannot_hold_is_one_error_line(tmp_path, monkeypatch, capsys):
+    from p2pfl.app.cli import main
+    from p2pfl.runtime import children
+
+    monkeypatch.setattr(children, "available_memory", lambda: 64 * 2**20)
+    file = tmp_path / "exp.yaml"
+    file.write_text(
+        "dataset: {name: digits}\nmodel: {name: mlp, hidden: [8]}\ntopology: {kind: mesh}\n"
+        "partition: {name: iid, samples_per_peer: 2, replace: true, val_fraction: 0}\n"
+        "peers: {count: 1000}\nalgorithm: {name: dfedavgm, rounds: 1}\n"
+    )
+    out = tmp_path / "out"
+    assert main(["run", str(file), "--out", str(out), "--quiet"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith(
+        f"error: {file}: topology.kind: 1,000 peers on a mesh"
+    )
+    assert "0.1 GiB are free" in err[0] and not out.exists()

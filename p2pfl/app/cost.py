@@ -34,7 +34,7 @@ from p2pfl.methods.base import Method
 from p2pfl.methods.cost_only import COST_ONLY
 from p2pfl.network.message import KINDS
 from p2pfl.network.plan import Plan, Transfer
-from p2pfl.network.topology import Topology, build_topology
+from p2pfl.network.topology import LINK_BYTES, Topology, build_topology
 from p2pfl.runtime.setup import Setup
 
 COLUMNS = [
@@ -190,10 +190,6 @@ def summarize(plan: list[Transfer], topology: Topology) -> dict[str, Any]:
 PLAN_BYTES = 300
 """Memory one listed message holds while a row is made: DFedAvgM on a mesh of 3,000 peers
 (27 million messages) took 7.7 GB, 0.8 of them the process."""
-
-LINK_BYTES = 170
-"""Memory one link of a graph holds (networkx: a complete graph of 3,000 nodes, 163 bytes
-a link)."""
 
 
 def too_large(peers: int, kind: str, links: int, rounds: int, free: int | None) -> str | None:

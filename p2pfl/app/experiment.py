@@ -43,6 +43,7 @@ from p2pfl.reporting import matching
 from p2pfl.reporting.partition import save_counts, save_partition
 from p2pfl.reporting.progress import time_to_accuracy
 from p2pfl.reporting.reporters import Reporter, open_reporters
+from p2pfl.runtime import children
 from p2pfl.runtime.children import Forked, take_standby
 from p2pfl.runtime.launcher import NodeFiles, gather, launch
 from p2pfl.runtime.ranks import Ranks
@@ -84,7 +85,7 @@ def build(experiment: Resolved, transport: str = "sim") -> Setup:
     topo_seed = derive_seed(seed, "topology")
     topology = _within(
         "topology", build_topology, config["topology"], len(population.profiles), topo_seed,
-        population.link, population.rates,
+        population.link, population.rates, children.available_memory(),
     )  # fmt: skip
     dataset = _within("dataset", load_dataset, config["dataset"], seed)
     trainer = _within(

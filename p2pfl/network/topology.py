@@ -137,8 +137,16 @@ def _connected(make, n: int, seed: int, what: str) -> nx.Graph:
     raise ConfigError(what, f"100 seeded draws gave no connected graph on {n} peers; raise it")
 
 
+ER_P = 0.3
+"""``erdos_renyi``'s ``p`` where none is given."""
+
+LINK_BYTES = 300
+"""Memory one link of a built topology holds (networkx, with the link on the edge: a mesh of
+3,000 peers took 292 bytes a link, G(4,000, 0.3) 261)."""
+
+
 @GRAPHS.register("erdos_renyi")
-def erdos_renyi(n: int, seed: int, *, p: float = 0.3) -> nx.Graph:
+def erdos_renyi(n: int, seed: int, *, p: float = ER_P) -> nx.Graph:
     """G(n, p): each pair linked with probability p (redrawn until connected).
 
     Args:
@@ -314,12 +322,29 @@ def build_graph(options: dict[str, Any], num_peers: int, seed: int) -> nx.Graph:
     return make(num_peers, seed, **own)
 
 
+def _check_size(kind: str, own: dict[str, Any], n: int, free: int | None) -> None:
+    """Refuse a graph whose links grow as N² (a mesh; G(n, p), on average) and would not fit
+    in ``free`` bytes, before networkx draws it: a mesh of 10⁵ peers has 5·10⁹ links."""
+    pairs = n * (n - 1) // 2
+    links = pairs if kind == "mesh" else round(own.get("p", ER_P) * pairs)
+    if free is None or kind not in ("mesh", "erdos_renyi") or links * LINK_BYTES <= free:
+        return
+    article, about = ("a", "") if kind == "mesh" else ("an", "about ")
+    raise ConfigError(
+        "kind",
+        f"{n:,} peers on {article} {kind} have {about}{links:,} links, "
+        f"{links * LINK_BYTES / 2**30:,.1f} GiB as a graph; {free / 2**30:.1f} GiB are free: "
+        "use a sparse graph (ring, random_regular, watts_strogatz) or fewer peers",
+    )
+
+
 def build_topology(
     options: dict[str, Any],
     num_peers: int,
     seed: int,
     link_defaults: Link = DEFAULT_LINK,
     rates: tuple[Sequence[float], Sequence[float]] = ((), ()),
+    free: int | None = None,
 ) -> Topology:
     """Build the graph named by ``options['kind']`` with links on every edge.
 
@@ -327,13 +352,15 @@ def build_topology(
     edges | graph_file) and its own keys, ``link`` (defaults for every edge) and ``links`` (per-edge
     overrides, each ``{between: [u, v], latency_s, bandwidth_bps}``; the server of a star is
     ``"server"``). ``rates``: each peer's uplink and downlink (``Population.rates``), empty
-    where not set.
+    where not set. ``free``: the bytes of memory the graph may take (``None``: unknown); a
+    mesh or G(n, p) that would take more is refused before it is drawn.
     """
     make, own, base, overrides = parse_topology(options, link_defaults)
     kind = options["kind"]
     least = 1 if kind == "star" else 2  # one peer and its server: centralized training
     if num_peers < least:
         raise ConfigError("kind", f"a {kind} needs at least {least} peers, got {num_peers}")
+    _check_size(kind, own, num_peers, free)
     graph = make(num_peers, seed, **own)
     if graph.is_directed():
         raise ConfigError("kind", f"{kind} is directed: use it in network.graph")
