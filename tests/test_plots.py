@@ -224,3 +224,28 @@ def test_only_a_small_graph_is_drawn_with_node_labels(runs, monkeypatch):
     assert sorted(t.get_text() for t in labelled.texts) == ["0", "1", "2", "3"]
     monkeypatch.setattr(plots, "LABEL_MAX", 3)
     assert not plots.traffic_figure([("ring", [run])]).axes[0].texts
+
+
+def test_a_sampled_runs_legends_say_its_mean_is_over_the_sample(runs, tmp_path):
+    """``eval.peers``: the per-round mean is over the sample's peers, and both figures say so;
+    a run that scores every peer keeps "mean over peers"."""
+    sampled = tmp_path / "sampled"
+    run_experiment(
+        sampled, topology={"kind": "ring"}, algorithm={"name": "dfedavgm", "rounds": 2},
+        model={"name": "mlp", "hidden": [8]}, peers={"count": 4}, eval={"peers": 2},
+    )  # fmt: skip
+    lines = plots.expand([runs["dfedavgm"], sampled])
+    (ax, *_) = plots.accuracy_figure(lines).axes
+    labels = [line.get_label() for line in ax.lines]
+    assert labels == ["dfedavgm (mean over peers)", "sampled (mean over a sample of 2 peers)"]
+    (ax,) = plots.progress_figure(lines, "time").axes
+    labels = [line.get_label() for line in ax.lines if line.get_label()[0] != "_"]
+    assert labels == ["dfedavgm (mean over peers)", "sampled (mean over a sample of 2 peers)"]
+    points, per_peer = plots.curve(plots.read_run(sampled))
+    logged = [r for r in rows(sampled / "metrics.csv") if r["peer"].isdigit()]
+    assert per_peer and len({r["peer"] for r in logged}) == 2
+    assert points[-1, 1] == pytest.approx(
+        np.mean(
+            [float(r["value"]) for r in logged if r["metric"] == "accuracy" and r["round"] == "2"]
+        )
+    )

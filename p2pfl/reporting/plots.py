@@ -245,13 +245,22 @@ def save(fig: Figure, out: Path, stem: str) -> list[Path]:
     return paths
 
 
+def peers_mean(run: Run) -> str:
+    """What a run's per-round peer mean is over: every peer, or ``eval.peers``' sample."""
+    section = run.config.get("eval")
+    k = section.get("peers") if isinstance(section, dict) else None
+    if not isinstance(k, int) or isinstance(k, bool):
+        return SOURCES["peers"]
+    return f"mean over a sample of {k} peer{'s' * (k != 1)}"
+
+
 def accuracy_figure(lines: list[tuple[str, list[Run]]]) -> Figure:
     fig = Figure(figsize=(15, 4.8), layout="constrained")
     axes = fig.subplots(1, 3, sharey=True)
     delivered = False  # any bytes at all: a log axis needs a positive value
     for i, (name, runs) in enumerate(lines):
         c, per_peer = mean_curve(runs)
-        notes = (["mean over peers"] if per_peer else []) + (
+        notes = ([peers_mean(runs[0])] if per_peer else []) + (
             [f"mean of {len(runs)} runs"] if len(runs) > 1 else []
         )
         text = f"{name} ({', '.join(notes)})" if notes else name
@@ -521,7 +530,8 @@ def progress_figure(lines: list[tuple[str, list[Run]]], x: str) -> Figure:
             by = sent(run)
             xs = [p.time if x == "time" else by.by(p.time) / 1e6 for p in series]
             label = name if len(runs) == 1 else f"{name} · seed={run.config['seed']}"
-            label += "" if source == "run" else f" ({SOURCES[source]})"
+            if source != "run":
+                label += f" ({peers_mean(run) if source == 'peers' else SOURCES[source]})"
             ax.plot(
                 xs, [p.accuracy for p in series], drawstyle="steps-post", label=label,
                 linestyle=LINES[i % len(LINES)], marker=MARKERS[i % len(MARKERS)], markersize=3,
