@@ -325,9 +325,11 @@ def build_graph(options: dict[str, Any], num_peers: int, seed: int) -> nx.Graph:
 def _check_size(kind: str, own: dict[str, Any], n: int, free: int | None) -> None:
     """Refuse a graph whose links grow as N² (a mesh; G(n, p), on average) and would not fit
     in ``free`` bytes, before networkx draws it: a mesh of 10⁵ peers has 5·10⁹ links."""
+    if free is None or kind not in ("mesh", "erdos_renyi"):
+        return
     pairs = n * (n - 1) // 2
     links = pairs if kind == "mesh" else round(own.get("p", ER_P) * pairs)
-    if free is None or kind not in ("mesh", "erdos_renyi") or links * LINK_BYTES <= free:
+    if links * LINK_BYTES <= free:
         return
     article, about = ("a", "") if kind == "mesh" else ("an", "about ")
     raise ConfigError(

@@ -5,10 +5,10 @@ for a simulated run, a ``--transport zmq`` run and a merged one): the ``accuracy
 
 1. the run's model, scored every ``eval.every_s`` seconds (rows of peer ``run``), if any;
 2. else the server's (peer ``server``: a star's output model, scored each round), if any;
-3. else, per round ``k``, the mean of the peers' rows of round ``k``, at the latest of their
-   times. For an asynchronous method the peers' rows of one round are scored at different
-   times on models of different ages, so this mean is a poor measure of the run's progress:
-   set ``eval.every_s`` for such methods.
+3. else, per round ``k``, the mean of the peers' rows of round ``k`` (``eval.peers``' sample
+   where one is set), at the latest of their times. For an asynchronous method the peers'
+   rows of one round are scored at different times on models of different ages, so this
+   mean is a poor measure of the run's progress: set ``eval.every_s`` for such methods.
 
 and in every case the ``final`` row (the output model scored at the run's end), last.
 
