@@ -35,7 +35,9 @@ Usage (from the repository root, with the project's venv)::
 - ``--quick`` shortens every run (``quick_sets``): at most 2 rounds (methods with ``rounds``),
   1 cycle (``cycles``: FedSeq, FedELMY), 1 local epoch and 1 warm-up epoch, FedFisher's
   server optimisation 100 steps, matching 2 epochs, Fashion-MNIST cut to 3,000 training and
-  500 test samples (a fixed ``partition.samples_per_peer`` shrunk to fit them); a sweep
+  500 test samples (a fixed ``partition.samples_per_peer`` shrunk to fit them, and a
+  population that would outnumber them cut to 1,000 peers, unless its peers draw their
+  samples with ``replace``); a sweep
   keeps its first seed and, of every other key, its last value (the shipped sweeps end on
   their hardest setting: the most attackers, churn or loss), or all its values on digits.
   Without it, every experiment runs as shipped, full grids included.
@@ -94,6 +96,7 @@ QUICK_STEPS = 100  # FedFisher's server optimisation (default 2000)
 QUICK_MATCHING_EPOCHS = 2
 QUICK_SUBSET = 3000  # training samples of a dataset bigger than this (not digits: 1,797)
 QUICK_TEST_SUBSET = 500
+QUICK_PEERS = 1000  # a population whose peers split the data would outnumber the subset
 SMALL_DATASETS = frozenset({"digits"})
 """Datasets small enough to run whole in ``--quick``."""
 
@@ -204,6 +207,8 @@ def quick_sets(raw: dict[str, Any]) -> list[str]:
         share = partition.get("samples_per_peer")  # the domain partition's fixed share
         if fits and isinstance(share, int) and share > fits:
             sets["partition.samples_per_peer"] = fits
+        if isinstance(count, int) and count > QUICK_SUBSET and not partition.get("replace"):
+            sets["peers.count"] = QUICK_PEERS  # each peer still gets samples of its own
     matching = (raw.get("eval") or {}).get("matching")
     if isinstance(matching, dict) and matching.get("epochs", 20) > QUICK_MATCHING_EPOCHS:
         sets["eval.matching.epochs"] = QUICK_MATCHING_EPOCHS

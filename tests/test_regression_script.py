@@ -95,6 +95,13 @@ def test_quick_shortens_each_method_by_its_own_keys():
         "dataset.subset=3000",
         "dataset.test_subset=500",
     ]  # fmt: skip  (cycles: 1 already)
+    assert regression.quick_sets(raws["population-dfedavgm"]) == [
+        "algorithm.rounds=2",
+        "dataset.subset=3000",
+        "dataset.test_subset=500",
+        "peers.count=1000",
+    ]  # fmt: skip  (10,000 peers would outnumber 3,000 samples)
+    assert "peers.count=1000" not in regression.quick_sets(raws["population-gossip"])  # replace
     fedfisher = regression.quick_sets(raws["fedfisher-digits-mesh"])
     assert fedfisher == ["algorithm.steps=100", "algorithm.val_every=50", "train.epochs=1"]
     sweep = regression.quick_sets(raws["sweep-digits"])
