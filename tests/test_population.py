@@ -17,19 +17,24 @@ import json
 import os
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
+import yaml
 
 from conftest import DEVICE, run_cli, run_experiment
 from p2pfl.app.cli import ALLOCATOR, on_glibc
+from p2pfl.core.seeding import derive_seed
 from p2pfl.learning import state
 from p2pfl.learning.state import clone_state
+from p2pfl.methods.adpsgd import is_active
 from p2pfl.network import wire
 from p2pfl.network.message import Message
+from p2pfl.network.topology import Topology, build_topology
 from p2pfl.runtime import train_batcher
 from p2pfl.runtime.setup import EvalConfig
 from p2pfl.runtime.train_batcher import TrainBatcher
@@ -366,3 +371,34 @@ def test_a_run_on_a_mesh_the_memory_cannot_hold_is_one_error_line(tmp_path, monk
         f"error: {file}: topology.kind: 1,000 peers on a mesh"
     )
     assert "0.1 GiB are free" in err[0] and not out.exists()
+
+
+def test_adpsgd_passive_peers_wait_for_their_active_neighbours_without_scanning_all(
+    tmp_path, monkeypatch
+):
+    """An AD-PSGD passive peer waits for one 'done' from each active neighbour: on an
+    irregular graph every peer finishes, each passive one got that many, and the run asks
+    the topology for neighbours O(N) times (scanning every peer's neighbours from each
+    passive peer took 35.6 s of a 10⁴-peer run; 13.4 s without)."""
+    calls = [0]
+    neighbours = Topology.neighbours
+
+    def counted(self: Topology, node: int) -> list[int]:
+        calls[0] += 1
+        return neighbours(self, node)
+
+    monkeypatch.setattr(Topology, "neighbours", counted)
+    summary = run_experiment(
+        tmp_path, topology={"kind": "erdos_renyi", "p": 0.2}, peers={"count": 200},
+        algorithm={"name": "adpsgd", "rounds": 2}, eval={"every": 2},
+        partition={"name": "iid", "samples_per_peer": 3, "replace": True, "val_fraction": 0},
+    )  # fmt: skip
+    assert calls[0] <= 4 * 200  # 700; the scan asked 10,600 (100 passive x 100 active)
+    assert all(p["accuracy"] is not None for p in summary["per_peer"])  # every peer finished
+    with open(tmp_path / "comm.csv", newline="") as f:
+        done = Counter(int(r["dst"]) for r in csv.DictReader(f) if r["kind"] == "control")
+    graph = yaml.safe_load((tmp_path / "config.yaml").read_text())  # the seeded graph again
+    topology = build_topology(graph["topology"], 200, derive_seed(0, "topology"))
+    for p in topology.peers:
+        if not is_active(p):
+            assert done[p] == sum(is_active(i) for i in topology.graph.neighbors(p))
