@@ -32,13 +32,12 @@ def regmean(uploads: list[Upload], offdiag: float) -> State:
     p = shares(uploads)
     for name in uploads[0].layers["gram"]:
         key = f"{name}.weight"
-        grams, targets = [], []
+        grams = targets = torch.zeros(())  # Σ_i G_i and Σ_i G_i W_iᵀ, summed as they come
         for pi, u in zip(p, uploads, strict=True):
             g = pi * u.stats["gram"][name].double()
             g = g * offdiag + torch.diag(torch.diagonal(g)) * (1 - offdiag)
-            grams.append(g)
-            targets.append(g @ u.state[key].double().T)
-        merged = torch.linalg.pinv(sum(grams)) @ sum(targets)
+            grams, targets = grams + g, targets + g @ u.state[key].double().T
+        merged = torch.linalg.pinv(grams) @ targets
         out[key] = merged.T.to(out[key].dtype).contiguous()
     return out
 
