@@ -34,7 +34,7 @@ from p2pfl.methods.base import Method
 from p2pfl.methods.cost_only import COST_ONLY
 from p2pfl.network.message import KINDS
 from p2pfl.network.plan import Plan, Transfer
-from p2pfl.network.topology import LINK_BYTES, Topology, build_topology
+from p2pfl.network.topology import LINK_BYTES, Topology, build_topology, dense_links
 from p2pfl.runtime.setup import Setup
 
 COLUMNS = [
@@ -212,12 +212,17 @@ def analyse(
     kinds: list[str],
     model_bytes: int | None = None,
 ) -> list[dict[str, Any]]:
-    """One row per method × topology kind for the experiment ``setup``. A mesh is counted
-    before it is built: 10⁵ peers' would not fit in memory."""
+    """One row per method × topology kind for the experiment ``setup``. A mesh or G(n, p)
+    other than the experiment's own is counted before it is built (:func:`dense_links`):
+    10⁵ peers' would not fit in memory."""
     from p2pfl.runtime.children import available_memory
 
     peers = setup.topology.num_peers
-    counted = {"mesh": peers * (peers - 1) // 2} if setup.topology.kind != "mesh" else {}
+    counted = {
+        kind: links
+        for kind in kinds
+        if kind != setup.topology.kind and (links := dense_links(kind, peers)) is not None
+    }
     topologies = {kind: topology_for(setup, kind) for kind in kinds if kind not in counted}
     made = [
         (item, make_method(name, keys, setup.config["algorithm"]), name)

@@ -322,14 +322,22 @@ def build_graph(options: dict[str, Any], num_peers: int, seed: int) -> nx.Graph:
     return make(num_peers, seed, **own)
 
 
-def _check_size(kind: str, own: dict[str, Any], n: int, free: int | None) -> None:
-    """Refuse a graph whose links grow as N² (a mesh; G(n, p), on average) and would not fit
-    in ``free`` bytes, before networkx draws it: a mesh of 10⁵ peers has 5·10⁹ links."""
-    if free is None or kind not in ("mesh", "erdos_renyi"):
-        return
+def dense_links(kind: str, n: int, p: float = ER_P) -> int | None:
+    """The links of a graph of ``n`` peers whose links grow as N², known before it is drawn:
+    a mesh's, or G(n, p)'s on average; ``None`` for the other kinds (N times a degree)."""
     pairs = n * (n - 1) // 2
-    links = pairs if kind == "mesh" else round(own.get("p", ER_P) * pairs)
-    if links * LINK_BYTES <= free:
+    if kind == "mesh":
+        return pairs
+    if kind == "erdos_renyi":
+        return round(p * pairs)
+    return None
+
+
+def _check_size(kind: str, own: dict[str, Any], n: int, free: int | None) -> None:
+    """Refuse a graph whose links grow as N² and would not fit in ``free`` bytes, before
+    networkx draws it: a mesh of 10⁵ peers has 5·10⁹ links."""
+    links = dense_links(kind, n, own.get("p", ER_P))
+    if free is None or links is None or links * LINK_BYTES <= free:
         return
     article, about = ("a", "") if kind == "mesh" else ("an", "about ")
     raise ConfigError(
