@@ -81,7 +81,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="methods-scale-") as tmp:
         for name in args.only or METHODS:
             small = max(2, args.peers // METHODS[name][2])
-            (t1, c1), (t4, c4) = (timed_run(name, n, Path(tmp)) for n in (small, 4 * small))
+            (t1, _), (t4, c4) = (timed_run(name, n, Path(tmp)) for n in (small, 4 * small))
             growth = math.log(t4 / t1) / math.log(4)
             mark = "superlinear" if growth > SUPERLINEAR else ""
             rows.append([name, METHODS[name][0], small, t1, 4 * small, t4, growth, c4, mark])

@@ -99,6 +99,19 @@ def run_cli(
     )  # fmt: skip
 
 
+def thousand_peers(file: Path, kind: str) -> Path:
+    """Write ``file``: 1,000 digits peers on a ``kind`` graph, 2 images each (drawn with
+    replacement), one DFedAvgM round; for the checks that a large population is sized
+    before it is built."""
+    file.write_text(
+        "dataset: {name: digits}\nmodel: {name: mlp, hidden: [8]}\n"
+        f"topology: {{kind: {kind}}}\n"
+        "partition: {name: iid, samples_per_peer: 2, replace: true, val_fraction: 0}\n"
+        "peers: {count: 1000}\nalgorithm: {name: dfedavgm, rounds: 1}\n"
+    )
+    return file
+
+
 def sim_and_zmq(tmp_path: Path, config: dict[str, Any]) -> tuple[dict, dict]:
     """Run ``config`` from the command line in simulation (``tmp_path/sim``) and over
     ``--transport zmq`` (``tmp_path/zmq``); both must succeed. Their summary.json contents."""

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from conftest import experiment, run_experiment
+from conftest import experiment, run_experiment, thousand_peers
 from p2pfl.app import cost
 from p2pfl.app.cli import main
 from p2pfl.app.experiment import build
@@ -240,12 +240,7 @@ def test_a_mesh_too_large_to_list_is_an_n_a_row_decided_before_it_is_built(
     real = cost.topology_for
     monkeypatch.setattr(cost, "topology_for", lambda s, kind: built.append(kind) or real(s, kind))
     monkeypatch.setattr(children, "available_memory", lambda: 256 * 2**20)
-    file = tmp_path / "exp.yaml"
-    file.write_text(
-        "dataset: {name: digits}\nmodel: {name: mlp, hidden: [8]}\ntopology: {kind: ring}\n"
-        "partition: {name: iid, samples_per_peer: 2, replace: true, val_fraction: 0}\n"
-        "peers: {count: 1000}\nalgorithm: {name: dfedavgm, rounds: 1}\n"
-    )
+    file = thousand_peers(tmp_path / "exp.yaml", "ring")
     out = tmp_path / "cost"
     assert main(["cost", str(file), "--topologies", "ring,mesh", "--out", str(out)]) == 0
     assert "n/a: 1,000 peers on a mesh have 499,500 links" in capsys.readouterr().out

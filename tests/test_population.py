@@ -26,7 +26,7 @@ import pytest
 import torch
 import yaml
 
-from conftest import DEVICE, run_cli, run_experiment
+from conftest import DEVICE, run_cli, run_experiment, thousand_peers
 from p2pfl.app.cli import ALLOCATOR, on_glibc
 from p2pfl.core.seeding import derive_seed
 from p2pfl.learning import state
@@ -358,12 +358,7 @@ def test_a_run_on_a_mesh_the_memory_cannot_hold_is_one_error_line(tmp_path, monk
     from p2pfl.runtime import children
 
     monkeypatch.setattr(children, "available_memory", lambda: 64 * 2**20)
-    file = tmp_path / "exp.yaml"
-    file.write_text(
-        "dataset: {name: digits}\nmodel: {name: mlp, hidden: [8]}\ntopology: {kind: mesh}\n"
-        "partition: {name: iid, samples_per_peer: 2, replace: true, val_fraction: 0}\n"
-        "peers: {count: 1000}\nalgorithm: {name: dfedavgm, rounds: 1}\n"
-    )
+    file = thousand_peers(tmp_path / "exp.yaml", "mesh")
     out = tmp_path / "out"
     assert main(["run", str(file), "--out", str(out), "--quiet"]) == 2
     err = capsys.readouterr().err.splitlines()
