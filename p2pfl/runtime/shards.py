@@ -23,11 +23,14 @@ blocks; a server to rank 0), and a rank's memory for models falls as 1/world:
 A method whose code reads a ghost's values (a robust rule that picks a model by its
 distances, a codec that packs by value) cannot run sharded: it fails at once, saying so.
 
-Why not a conservative scheme in which each rank simulates only its own peers' events, with
-the link latency as lookahead: simultaneous events of different peers, common where every
-peer's modelled training takes the same time, are ordered by SimPy's global insertion order,
-which no rank could reproduce alone, so outputs would no longer be byte-identical to one
-process. The control replicated costs each rank the simulation's CPU time and the per-peer
+Not built: a conservative scheme in which each rank simulates only its own peers' events,
+with the link latency as lookahead. The order of simultaneous events is not what stops it:
+SimPy's global insertion order is also the order of a causal key that a rank can compute
+from its own events and the keys its incoming messages would carry
+(``benchmarks/causal_order.py``). What stops it is every part of the runtime below that reads
+all the peers at once (the end of a run, the ``network:`` section's draws, the probes of the
+run's model, ``stop:``, the batched trainings' cohorts, the ledger's and the metrics' row
+order). The control replicated costs each rank the simulation's CPU time and the per-peer
 bookkeeping (docs/performance.md, "A population sharded across ranks").
 """
 
