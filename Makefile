@@ -28,8 +28,10 @@ data:
 run: install
 	$(VENV)/bin/p2pfl run experiments/quickstart.yaml --out runs/quickstart --force
 
+# The default suite on both cores (pytest-xdist): 7 min 47 s against 12 min 42 s one test at
+# a time on this 2-core machine, the same 1,561 tests passing.
 test: install data
-	$(VENV)/bin/python -m pytest -q
+	$(VENV)/bin/python -m pytest -q -n 2
 
 # The claims tier: every published result (README and docs/ tables) re-run and asserted, on
 # both cores (pytest-xdist); pytest's exit status 5 (nothing collected) is not a failure.
