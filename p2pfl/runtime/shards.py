@@ -27,11 +27,13 @@ Not built: a conservative scheme in which each rank simulates only its own peers
 with the link latency as lookahead. The order of simultaneous events is not what stops it:
 SimPy's global insertion order is also the order of a causal key that a rank can compute
 from its own events and the keys its incoming messages would carry
-(``benchmarks/causal_order.py``). What stops it is every part of the runtime below that reads
-all the peers at once (the end of a run, the ``network:`` section's draws, the probes of the
-run's model, ``stop:``, the batched trainings' cohorts, the ledger's and the metrics' row
-order). The control replicated costs each rank the simulation's CPU time and the per-peer
-bookkeeping (docs/performance.md, "A population sharded across ranks").
+(``benchmarks/causal_order.py``), and the ``network:`` section draws from streams per peer
+or from the seed alone, which any rank can repeat. What stops it is what the simulation
+runtime reads of all the peers at once: the end of a run (every node listening "until the
+end", then woken in the order it began to wait), the probes of the run's model and
+``stop:``, and the rows of ``comm.csv`` and ``metrics.csv`` in one order. The control
+replicated costs each rank the simulation's CPU time and the per-peer bookkeeping
+(docs/performance.md, "A population sharded across ranks").
 """
 
 from __future__ import annotations
