@@ -28,8 +28,8 @@ data:
 run: install
 	$(VENV)/bin/p2pfl run experiments/quickstart.yaml --out runs/quickstart --force
 
-# The default suite on both cores (pytest-xdist): 7 min 47 s against 12 min 42 s one test at
-# a time on this 2-core machine, the same 1,561 tests passing.
+# The default suite on both cores (pytest-xdist): 7 min 30 s against 12 min 42 s one test at
+# a time on this 2-core machine, the same tests passing.
 test: install data
 	$(VENV)/bin/python -m pytest -q -n 2
 
