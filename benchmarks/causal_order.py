@@ -10,8 +10,10 @@ checks, on shipped experiments run in one process, that the *causal key*
     key(e) = (time, priority, key(p), i)
 
 orders every event exactly as SimPy does; ``p`` is the event being processed when ``e`` was
-scheduled and ``i`` the number of events ``p`` scheduled before it (an event scheduled
-outside any processing, at set-up: ``(time, priority, (), its index among those)``). A rank
+scheduled, or the one processed last (as when the runtime wakes its listeners at a run's
+end, between two events), and ``i`` the number of events scheduled since ``p`` was taken
+before ``e``; an event scheduled at set-up, before any is processed, is ``(time, priority,
+(), its index among those)``. A rank
 can compute that key for its own events, given the keys that come with the messages it
 receives, so the tie order is not what stands in the way (docs/performance.md, "A
 population sharded across ranks"). It also measures what such a scheme would synchronize:
@@ -66,9 +68,9 @@ class Recorder:
 
     def __init__(self) -> None:
         self.keys: dict[int, tuple[Key, int]] = {}  # SimPy's counter -> (key, depth)
-        self.active: tuple[Key, int] | None = None  # the event being processed
-        self.children = 0  # events it scheduled so far
-        self.roots = 0  # events scheduled outside any processing
+        self.active: tuple[Key, int] | None = None  # the event being or last processed
+        self.children = 0  # events scheduled since it was taken
+        self.roots = 0  # events scheduled at set-up
         self.last: Key | None = None
         self.events = self.out_of_order = self.same_instant = self.depth = 0
         self.times = array("d")
@@ -110,11 +112,8 @@ class Recorder:
         self.depths.append(depth)
         self.active, self.children = (key, depth), 0
         callbacks, event.callbacks = event.callbacks, None
-        try:
-            for callback in callbacks:
-                callback(event)
-        finally:
-            self.active = None
+        for callback in callbacks:
+            callback(event)
         if not event._ok and not hasattr(event, "_defused"):
             raise type(event._value)(*event._value.args) from event._value
 

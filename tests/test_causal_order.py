@@ -40,3 +40,16 @@ def test_the_recording_leaves_simpy_and_the_runtime_as_they_were():
     with causal_order.recording():
         assert all(getattr(o, n) is not b for (o, n), b in zip(patched, before, strict=True))
     assert [getattr(owner, name) for owner, name in patched] == before
+
+
+def test_an_event_scheduled_between_two_steps_follows_those_queued_at_its_instant():
+    """As the runtime's wake-up of its listeners at a run's end: SimPy takes it after every
+    event already queued for its instant, as the next event of the one processed last."""
+    with causal_order.recording() as rec:
+        env = simpy.Environment()
+        env.timeout(0).callbacks.append(lambda _: env.timeout(1))  # queued for t = 1
+        env.step()
+        env.timeout(1)  # between two steps, for the same t = 1
+        env.step()
+        env.step()
+    assert rec.events == 3 and rec.out_of_order == 0
