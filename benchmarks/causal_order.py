@@ -45,6 +45,7 @@ from common import ROOT, report  # noqa: E402
 
 import p2pfl  # noqa: E402
 from p2pfl.runtime import sim  # noqa: E402
+from p2pfl.runtime.ranks import Ranks  # noqa: E402
 from p2pfl.runtime.uplinks import InFlight  # noqa: E402
 
 EXPERIMENTS = [
@@ -71,7 +72,6 @@ class Recorder:
         self.active: tuple[Key, int] | None = None  # the event being or last processed
         self.children = 0  # events scheduled since it was taken
         self.roots = 0  # events scheduled at set-up
-        self.last: Key | None = None
         self.events = self.out_of_order = self.same_instant = self.depth = 0
         self.times = array("d")
         self.queued = array("l")  # the queue's length when each event was taken
@@ -101,10 +101,10 @@ class Recorder:
         except IndexError:
             raise EmptySchedule from None
         key, depth = self.keys.pop(count)
-        if self.last is not None:
-            self.out_of_order += not self.last < key
-            self.same_instant += self.last[:2] == key[:2]
-        self.last = key
+        if self.active is not None:
+            last = self.active[0]
+            self.out_of_order += not last < key
+            self.same_instant += last[:2] == key[:2]
         self.events += 1
         self.depth = max(self.depth, depth)
         self.times.append(key[0])
@@ -136,7 +136,8 @@ def recording() -> Iterator[Recorder]:
     """SimPy and the simulation runtime patched to record, for the runs inside."""
     rec = Recorder()
     saved = simpy.Environment.schedule, simpy.Environment.step, sim.SimRuntime._arrive
-    arrive = sim.SimRuntime._arrive
+    arrive = saved[2]
+    splits = [Ranks(0, world) for world in rec.crossing]  # --shard's blocks, without joining
 
     def schedule(env: simpy.Environment, event: simpy.Event, priority: int = 1, delay: float = 0):
         rec.schedule(env, event, priority, delay)
@@ -146,9 +147,8 @@ def recording() -> Iterator[Recorder]:
 
     def land(runtime: sim.SimRuntime, item: InFlight) -> None:
         peers, src, dst = runtime.topology.num_peers, item.msg.src, item.msg.dst
-        for world in rec.crossing:
-            owner = [n * world // peers if n < peers else 0 for n in (src, dst)]
-            rec.crossing[world] += owner[0] != owner[1]
+        for ranks in splits:
+            rec.crossing[ranks.world] += ranks.owner(src, peers) != ranks.owner(dst, peers)
         rec.latency = min(rec.latency, item.link.latency_s)
         arrive(runtime, item)
 
