@@ -157,7 +157,7 @@ def test_shared_messages_and_chunked_cohorts_leave_outputs_byte_identical(
     calls, chunks = _spy_chunks(monkeypatch)
     run_experiment(tmp_path / "new", **sections)
     new = outputs(tmp_path / "new")
-    assert len(chunks) > 3 and min(chunks) >= 2 and max(chunks) <= 4  # none left alone
+    assert len(chunks) > 3 and max(chunks) <= 4  # a lone one, too, trains batched
     calls.clear()
     with monkeypatch.context() as m:
         _old_ways(m)

@@ -32,8 +32,8 @@ from p2pfl.methods.effects import Train
 from p2pfl.runtime.worker import Worker
 
 CHUNK = 128
-"""Trainings of a divisible cohort computed per call (never fewer than two: a lone job would
-train one by one, whose bits differ from a batched call's)."""
+"""Trainings of a divisible cohort computed per call (a lone one too trains batched, to the
+same bits: :meth:`Worker._units`)."""
 
 
 TRIM_JOBS = 1000
@@ -126,8 +126,6 @@ class TrainBatcher:
                 taking -= 1
             found = found or j is job
         cohort.extendleft(reversed(passed))
-        if len(cohort) == 1:  # never leave one alone
-            chunk.append(cohort.popleft())
         self._run(chunk)
 
     def _run(self, jobs: list[_Pending]) -> None:

@@ -168,9 +168,9 @@ class Worker:
     def divisible(self, jobs: list[tuple[int, Train]]) -> bool:
         """Whether these deferred trainings are one batched group (two or more) in which a
         peer's bits do not depend on which peers share its call (:func:`batched.divisible`),
-        in one process: then any parts of it, two or more each, train to the same bits as
-        the whole (:class:`~p2pfl.runtime.train_batcher.TrainBatcher` computes such a group
-        a chunk at a time)."""
+        in one process: then any parts of it train to the same bits as the whole
+        (:class:`~p2pfl.runtime.train_batcher.TrainBatcher` computes such a group a chunk
+        at a time)."""
         if (self.ranks is not None and self.shards is None) or len(jobs) < 2:
             return False
         if not self.population.batched:
@@ -183,6 +183,10 @@ class Worker:
             if len(keys) > 1:
                 return False
         ((cfg, device),) = keys
+        return self._divisible(cfg, device)
+
+    def _divisible(self, cfg: TrainConfig, device: torch.device) -> bool:
+        """:func:`batched.divisible` for a config and device, asked once."""
         key = ("divisible", cfg, device)
         if (known := self._supported.get(key)) is None:
             module = self.trainer.module(device)
@@ -242,7 +246,9 @@ class Worker:
         self, jobs: list[tuple[int, Train]], divide: bool = False
     ) -> list[tuple[_Group | None, list[int]]]:
         """The jobs in units of work: with ``peers.batched``, those sharing a config, a
-        device and a proximal term's ``mu`` form one batched group (of two or more); every
+        device and a proximal term's ``mu`` form one batched group (of two or more, or of
+        one where :func:`batched.divisible` allows: then a peer's bits never depend on what
+        trains beside it, so a population split over ranks trains to the same bits); every
         other job is a unit of its own (``None``: trained one by one). ``divide``: a group
         that :func:`batched.divisible` allows is one unit per member, still batched, for
         ranks to share (each rank's members of a group train as one call)."""
@@ -258,14 +264,13 @@ class Worker:
         units: list[tuple[_Group | None, list[int]]] = []
         for key, m in groups.items():
             cfg, device, mu = key
-            if len(m) < 2:
-                continue
-            whole = not divide or mu is not None
-            if whole or not batched.divisible(self.trainer.module(device), cfg, device):
-                units.append((key, m))
-            else:
+            parts = mu is None and self._divisible(cfg, device)
+            if len(m) < 2 and not parts:  # trained one by one
+                alone.append((None, m))
+            elif divide and parts:
                 units += [(key, [i]) for i in m]
-        alone += [(None, m) for m in groups.values() if len(m) == 1]
+            else:
+                units.append((key, m))
         return units + sorted(alone, key=lambda unit: unit[1][0])
 
     def _train_units(
