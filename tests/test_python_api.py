@@ -73,6 +73,16 @@ def test_shard_gives_the_command_lines_sharded_run(tmp_path, cli_quickstart):
     assert_same_run(result, cli_quickstart)
 
 
+def test_shard_events_gives_the_command_lines_run(tmp_path, cli_quickstart):
+    """``shard_events=True`` is ``--shard-events``: each rank runs its own peers' events,
+    and the outputs are one process's."""
+    if torch.cuda.device_count():
+        pytest.skip("autograd, once this process has run it on a GPU, refuses forked ranks")
+    out = tmp_path / "api"
+    result = p2pfl.run(QUICKSTART, out=out, workers=2, shard_events=True, algorithm__rounds=2)
+    assert_same_run(result, cli_quickstart)
+
+
 def test_a_dict_and_yaml_text_give_what_the_file_gives(tmp_path, cli_quickstart, monkeypatch):
     """Their relative paths are found from the current directory; a dotted key passed as
     ``**{"a.b": v}`` is the same override; ``out=None`` is a fresh temporary directory,

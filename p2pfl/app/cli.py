@@ -85,6 +85,12 @@ def parser() -> argparse.ArgumentParser:
         help="with --workers N or torchrun: each rank holds only its own share of the peers' "
         "models (memory per rank ~ 1/N); same results as one process",
     )
+    r.add_argument(
+        "--shard-events",
+        action="store_true",
+        help="as --shard, and each rank also runs only its own peers' events, the ranks "
+        "advancing in windows of the smallest link latency; same results as one process",
+    )
 
     peer = sub.add_parser("peer", help="run one node of a real (ZeroMQ) run, e.g. on another host")
     _experiment_args(peer)
@@ -358,9 +364,10 @@ def execute(args: argparse.Namespace, sweep: bool | None = None) -> Done:
                 "sweep", f"this is {'' if grid else 'not '}a sweep: use {use}", args.experiment
             )
         spread = _check_workers(args, bool(grid))
-        if args.shard and not spread:
+        shard = _shard(args)
+        if shard and not spread:
             why = "a sweep's --workers runs cells side by side" if grid else "add --workers N"
-            raise ConfigError("--shard", f"shards one experiment over ranks: {why}")
+            raise ConfigError(f"--{shard}", f"shards one experiment over ranks: {why}")
         if grid:
             out = output_dir(args.out or f"runs/{raw.get('name', Path(args.experiment).stem)}")
             check_fresh(out, args.force, sweep=True)
@@ -375,12 +382,12 @@ def execute(args: argparse.Namespace, sweep: bool | None = None) -> Done:
         check_fresh(out, args.force)
         setup = _setup(args, args.transport)
         if spread:
-            _check_spread(setup, max(args.workers, _world()[0]), args.shard)
+            _check_spread(setup, max(args.workers, _world()[0]), shard)
         elif args.transport == "sim":
             _check_memory(setup, 1, shard=False)
         else:
             _check_nodes(setup, setup.topology.graph.number_of_nodes())
-        with _ranks(args.workers, threads, setup, args.shard) as ranks, _claimed(out, args.force):
+        with _ranks(args.workers, threads, setup, shard) as ranks, _claimed(out, args.force):
             summary = run(setup, out, not args.quiet, args.transport, ranks)
     return Done(out, summary, 0)
 
@@ -563,7 +570,13 @@ def _check_host(workers: int) -> None:
         )
 
 
-def _check_spread(setup: Setup, ranks: int, shard: bool = False) -> None:
+def _shard(args: argparse.Namespace) -> str | None:
+    """How the ranks share the population: ``shard-events`` (``--shard-events``),
+    ``shard`` (``--shard``: the models only), or ``None``."""
+    return "shard-events" if args.shard_events else "shard" if args.shard else None
+
+
+def _check_spread(setup: Setup, ranks: int, shard: str | None = None) -> None:
     """A run spread over ``ranks`` needs simulated compute times that every rank agrees on,
     and a peer for each rank to train (a rank beyond them would only cost memory). A
     sharded one (``shard``) also needs every model it reads on the rank that reads it, and
@@ -584,8 +597,10 @@ def _check_spread(setup: Setup, ranks: int, shard: bool = False) -> None:
     for key, used in every.items():
         if used:
             raise ConfigError(
-                "--shard", f"{key} needs every peer's model in one process: leave out --shard"
+                f"--{shard}", f"{key} needs every peer's model in one process: leave out --{shard}"
             )
+    if shard == "shard-events":
+        _check_events(setup, ranks)
     import torch
 
     from p2pfl.learning import batched
@@ -595,12 +610,31 @@ def _check_spread(setup: Setup, ranks: int, shard: bool = False) -> None:
     cpu_module = setup.trainer.module(torch.device("cpu"))  # CUDA stays untouched (forks)
     if setup.population.batched and not batched.divisible(cpu_module, setup.train, device):
         raise ConfigError(
-            "--shard",
+            f"--{shard}",
             f"peers.batched on {device.type}: a batched group trains to bits that depend on "
-            "the whole group, whose peers the ranks split; leave out peers.batched or --shard",
+            f"the whole group, whose peers the ranks split; leave out peers.batched or --{shard}",
         )
 
     _check_memory(setup, ranks, shard=True)
+
+
+def _check_events(setup: Setup, ranks: int) -> None:
+    """``--shard-events``: what a rank cannot decide from its own peers' events is
+    refused (:mod:`p2pfl.runtime.windows`), and the ranks need a lookahead."""
+    from p2pfl.runtime.ranks import Ranks
+    from p2pfl.runtime.windows import lookahead
+
+    whole = {
+        "network": setup.network is not None,  # another rank's crashes and faults
+        "stop": setup.stop is not None,  # counts over every peer, at an instant
+    }
+    for key, used in whole.items():
+        if used:
+            raise ConfigError(
+                "--shard-events",
+                f"a {key}: section reads every rank's peers at each instant: use --shard",
+            )
+    lookahead(setup.topology, Ranks(0, ranks))
 
 
 def _check_memory(setup: Setup, ranks: int, shard: bool) -> None:
@@ -703,7 +737,9 @@ def _fork_safe(workers: int) -> Iterator[int]:
 
 
 @contextmanager
-def _ranks(workers: int, threads: int, setup: Setup, shard: bool = False) -> Iterator[Ranks | None]:
+def _ranks(
+    workers: int, threads: int, setup: Setup, shard: str | None = None
+) -> Iterator[Ranks | None]:
     """This process's place among the ranks: alone (``None``); a rank that ``torchrun``
     started; or rank 0 of ``--workers N``, which forks the other ranks from the built run
     (they share its torch and data copy-on-write, and start at once), waits for them at the
@@ -714,7 +750,7 @@ def _ranks(workers: int, threads: int, setup: Setup, shard: bool = False) -> Ite
     workers_: Workers | None = None
     try:
         if _world()[0] > 1:
-            ranks = Ranks.from_env(sharded=shard)
+            ranks = Ranks.from_env(shard=shard)
         elif workers > 1:
             from p2pfl.runtime.children import Workers, free_port
 
@@ -739,7 +775,7 @@ def _ranks(workers: int, threads: int, setup: Setup, shard: bool = False) -> Ite
 
 
 def _forked_rank(
-    setup: Setup, env: dict[str, str], rank: int, threads: int, shard: bool = False
+    setup: Setup, env: dict[str, str], rank: int, threads: int, shard: str | None = None
 ) -> int:
     """A rank above 0 of ``--workers``, forked from rank 0's built run: train its share,
     write nothing (rank 0 does). Ctrl-C is rank 0's to handle: it stops the ranks."""
@@ -758,8 +794,8 @@ def _helper_rank(args: argparse.Namespace) -> int:
 
     _check_workers(args, bool(load(args.experiment, args.sets, args.seed, args.given)[1]))
     setup = _setup(args, "sim")
-    _check_spread(setup, _world()[0], args.shard)
-    _rank_run(setup, Ranks.from_env(sharded=args.shard))
+    _check_spread(setup, _world()[0], _shard(args))
+    _rank_run(setup, Ranks.from_env(shard=_shard(args)))
     return 0
 
 

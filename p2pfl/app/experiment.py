@@ -51,6 +51,7 @@ from p2pfl.runtime.setup import Setup
 from p2pfl.runtime.shards import Shards
 from p2pfl.runtime.sim import SimRuntime
 from p2pfl.runtime.sockets import check_curve_keys
+from p2pfl.runtime.windows import KeptLedger, KeptRows, Windows
 from p2pfl.runtime.worker import Worker
 
 
@@ -284,23 +285,36 @@ def _simulate(
 ) -> tuple[dict[int, Finish], dict[str, float], float, dict[str, Any], dict[str, Any]]:
     """Run every node on one SimPy clock; return finals, baselines, end time, ledger and
     what ended the run (``stop:``: which condition, or ``rounds``; the samples trained)."""
-    shards = None
+    shards = windows = None
     if ranks is not None:
-        sharded = b"sharded" if ranks.sharded else b""
+        sharded = b"events" if ranks.events else b"sharded" if ranks.sharded else b""
         ranks.agree(_fingerprint(setup.config) + setup.data.counts.tobytes() + sharded)
         ranks.take_gpu(setup.devices)
-        if ranks.sharded:
+        if ranks.events:  # each rank runs its own peers, like one process of fewer peers
+            windows = Windows(ranks, setup.topology)
+        elif ranks.sharded:
             shards = Shards(ranks, setup.topology.num_peers)
     ledger = Ledger(out / "comm.csv", fates=setup.network is not None)
-    worker = Worker(setup, metrics, out, progress, ranks, shards)
+    rows = metrics if windows is None else KeptRows(windows, metrics)
+    worker = Worker(setup, rows, out, progress, None if windows else ranks, shards)
+    if windows is not None:  # rank 0 keeps the baselines and writes the artifacts, in order
+        worker.baseline = windows.writer(worker.baseline)
+        worker.save_artifact = windows.writer(worker.save_artifact)
     runtime = SimRuntime(
-        setup.topology, worker, ledger, setup.compression, setup.network,
-        setup.population.uplink, setup.stop, setup.eval.every_s, shards,
+        setup.topology, worker, ledger if windows is None else KeptLedger(windows, ledger),
+        setup.compression, setup.network, setup.population.uplink, setup.stop,
+        setup.eval.every_s, shards, windows,
     )  # fmt: skip
     try:
         contexts = setup.contexts(shards.mine if shards else None)
-        behaviours = {n: setup.behaviour(ctx) for n, ctx in contexts.items()}
+        behaviours = {
+            n: setup.behaviour(ctx)
+            for n, ctx in contexts.items()
+            if windows is None or windows.mine(n)
+        }
         finals = runtime.run(behaviours)
+        if windows is not None:
+            finals = windows.finals(finals, setup.init_state())
         worker.settle()
     except Exception as e:
         if shards is not None and "meta" in str(e):  # an operation read a ghost's values

@@ -113,15 +113,18 @@ def run(
     transport: str = "sim",
     workers: int = 1,
     shard: bool = False,
+    shard_events: bool = False,
     force: bool = False,
     progress: bool = False,
     **overrides: Any,
 ) -> Result:
     """Run one experiment (``p2pfl run``); ``progress`` shows its progress bar; ``shard``
-    (with ``workers`` > 1) gives each rank its own share of the peers' models."""
+    (with ``workers`` > 1) gives each rank its own share of the peers' models, and
+    ``shard_events`` its own share of their events too (``--shard-events``)."""
     done = _execute(
-        experiment, out, seed, transport, workers, force, progress, overrides, False, shard
-    )
+        experiment, out, seed, transport, workers, force, progress, overrides, False,
+        shard, shard_events,
+    )  # fmt: skip
     return Result(done.out)
 
 
@@ -182,11 +185,13 @@ def _execute(
     overrides: dict[str, Any],
     sweep: bool,
     shard: bool = False,
+    shard_events: bool = False,
 ) -> cli.Done:
     """:func:`p2pfl.app.cli.execute` on the command line's arguments for these."""
     if transport not in ("sim", "zmq"):
         raise ConfigError("--transport", f"must be sim or zmq, got {transport!r}")
     options = {"transport": transport, "workers": workers, "force": force, "shard": shard}
+    options["shard_events"] = shard_events
     args = _arguments(experiment, out, seed, overrides, quiet=not progress, **options)
     with _output(args):
         return cli.execute(args, sweep)

@@ -64,10 +64,13 @@ class Ranks:
     seconds for it (a dead rank's connections close a moment before its exit is seen)."""
     sharded: bool = False
     """``--shard``: each rank holds only its own peers' models (:mod:`p2pfl.runtime.shards`)."""
+    events: bool = False
+    """``--shard-events``: each rank also runs only its own peers' events
+    (:mod:`p2pfl.runtime.windows`)."""
 
     @classmethod
     def from_env(
-        cls, env: Mapping[str, str] = os.environ, threads: int = 0, sharded: bool = False
+        cls, env: Mapping[str, str] = os.environ, threads: int = 0, shard: str | None = None
     ) -> Ranks | None:
         """Join the run that ``torchrun`` or ``--workers`` described in ``env`` (``RANK``,
         ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``), with ``threads`` threads if
@@ -82,7 +85,8 @@ class Ranks:
         if threads:
             torch.set_num_threads(threads)
         local = int(env.get("LOCAL_RANK", rank))
-        return cls(rank, world, before if threads else 0, local, sharded=sharded)
+        sharded, events = shard is not None, shard == "shard-events"
+        return cls(rank, world, before if threads else 0, local, sharded=sharded, events=events)
 
     def owner(self, node: int, peers: int) -> int:
         """The rank that holds ``node``'s model in a sharded run: the peers in contiguous

@@ -23,17 +23,10 @@ blocks; a server to rank 0), and a rank's memory for models falls as 1/world:
 A method whose code reads a ghost's values (a robust rule that picks a model by its
 distances, a codec that packs by value) cannot run sharded: it fails at once, saying so.
 
-Not built: a conservative scheme in which each rank simulates only its own peers' events,
-with the link latency as lookahead. The order of simultaneous events is not what stops it:
-SimPy's global insertion order is also the order of a causal key that a rank can compute
-from its own events and the keys its incoming messages would carry
-(``benchmarks/causal_order.py``), and the ``network:`` section draws from streams per peer
-or from the seed alone, which any rank can repeat. What stops it is what the simulation
-runtime reads of all the peers at once: the end of a run (every node listening "until the
-end", then woken in the order it began to wait), the probes of the run's model and
-``stop:``, and the rows of ``comm.csv`` and ``metrics.csv`` in one order. The control
-replicated costs each rank the simulation's CPU time and the per-peer bookkeeping
-(docs/performance.md, "A population sharded across ranks").
+Every rank repeating the whole simulation costs each rank the simulation's CPU time and the
+per-peer bookkeeping (docs/performance.md, "A population sharded across ranks").
+``--shard-events`` (:mod:`p2pfl.runtime.windows`) shards the events too: each rank runs only
+its own peers, the ranks advancing in windows of the smallest link latency.
 """
 
 from __future__ import annotations

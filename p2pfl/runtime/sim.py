@@ -51,6 +51,7 @@ from p2pfl.runtime.setup import StopConfig
 from p2pfl.runtime.shards import Shards
 from p2pfl.runtime.train_batcher import TrainBatcher
 from p2pfl.runtime.uplinks import FifoUplinks, InFlight, SharedUplinks, Uplinks
+from p2pfl.runtime.windows import Key, Windows
 from p2pfl.runtime.worker import Worker
 
 FULL_RARER = 10
@@ -73,9 +74,11 @@ class SimRuntime(Interpreter):
         stop: StopConfig | None = None,
         probe_s: float | None = None,
         shards: Shards | None = None,
+        windows: Windows | None = None,
     ) -> None:
         super().__init__()
-        self.env = simpy.Environment()
+        self.windows = windows  # with ``--shard-events``: this rank's share of the events
+        self.env = simpy.Environment() if windows is None else windows.env
         self.network = network
         self.gone: set[int] = set()  # crashed, or offline for good (a trace that ends down)
         self.end = 0.0  # when the last node ended or the last message landed
@@ -98,17 +101,25 @@ class SimRuntime(Interpreter):
         self.listening = 0
         self.inert = 0
         kind = SharedUplinks if uplink == "shared" else FifoUplinks
-        self.uplinks: Uplinks = kind(self.env, nodes, self._arrive, self._idle)
+        self.uplinks: Uplinks = kind(self.env, nodes, self._arrive, self._idle, self._away)
         self.batcher = TrainBatcher(self.env, worker)
         self.stop = stop
         self.probe_s = probe_s
         self.keep_latest = stop is not None or probe_s is not None
         self.halted: str | None = None  # why a stop: section ended the run
         self.shards = shards  # with ``--shard``: the messages that cross ranks
+        # --shard-events: when each wait began (the event's key, and how many waits that
+        # event had begun before), and the last such pair
+        self.began: dict[int, tuple[Key, int]] = {}
+        self._begun: tuple[Key, int] = ((), 0)
 
     def run(self, behaviours: dict[int, Behaviour]) -> dict[int, Finish]:
-        """Drive every node's behaviour to its end; return each node's ``Finish``."""
+        """Drive every node's behaviour to its end; return each node's ``Finish``
+        (``--shard-events``: ``behaviours`` and the result hold this rank's nodes)."""
+        order = {n: i for i, n in enumerate(self.topology.graph.nodes)}
         for node, gen in behaviours.items():
+            if self.windows is not None:  # numbered among every rank's, as in one process
+                self.windows.env.children = order[node]
             process = self.env.process(self._drive(node, gen))
             crash = self.network.crash_at.get(node) if self.network else None
             if crash is not None:
@@ -127,9 +138,12 @@ class SimRuntime(Interpreter):
         gc.set_threshold(*thresholds[:2], thresholds[2] * FULL_RARER)
         gc.freeze()
         try:
-            self._run_until_quiet()
+            if self.windows is not None:
+                self._run_windows()
+            else:
+                self._run_until_quiet()
             for _ in range(
-                0 if self.halted else 10 * len(behaviours)
+                0 if self.halted or self.windows else 10 * len(behaviours)
             ):  # bounded: each pass ends a listener's wait
                 listeners = [n for n, r in self.waiting.items() if r.deadline == math.inf]
                 if not listeners:
@@ -144,12 +158,37 @@ class SimRuntime(Interpreter):
         if self.halted:
             self.stopped_finals(sorted(set(behaviours) - self.gone))
         stuck = sorted(set(behaviours) - set(self.finals) - self.gone)
-        if stuck:
-            what = "; ".join(
-                f"{self.topology.name(n)} waits for {self._describe(n)}" for n in stuck
-            )
-            raise RunError(f"deadlock: {what}{self._why(stuck)}")  # the caller adds the time
+        waits = [f"{self.topology.name(n)} waits for {self._describe(n)}" for n in stuck]
+        if self.windows is not None:  # every rank's, in rank order (each rank's in node order)
+            self.end = self.windows.maximum(self.end)
+            waits = [w for ws in self.windows.gather(waits) for w in ws]
+        if waits:  # the caller adds the time
+            raise RunError(f"deadlock: {'; '.join(waits)}{self._why(stuck)}")
         return self.finals
+
+    def _run_windows(self) -> None:
+        """``--shard-events``: run the windows until every rank is quiet, then wake the
+        listeners of every rank in the order they began to wait, after the last event of
+        all (as one process does), until none is left."""
+        assert self.windows is not None
+        windows = self.windows
+        windows.advance(self._quiet, self._arrive)
+        for _ in range(10 * self.topology.graph.number_of_nodes()):  # bounded, as run's
+            mine = [(*self.began[n], n) for n, r in self.waiting.items() if r.deadline == math.inf]
+            listeners = windows.listeners(mine)
+            if not listeners:
+                return
+            last, children = windows.last()
+            for i, n in enumerate(listeners):
+                if windows.mine(n):
+                    windows.env.after(last, children + i)
+                    self.wakeup[n].succeed()
+            windows.advance(self._quiet, self._arrive)
+
+    def _quiet(self) -> bool:
+        """Whether nothing else can happen here: every running node listens "until the
+        end" and only idle timers are left."""
+        return self.listening == self.alive and len(self.env._queue) == self.inert
 
     def _run_until_quiet(self) -> None:
         """Run until nothing else can happen: every running node listens "until the end" and
@@ -207,6 +246,17 @@ class SimRuntime(Interpreter):
 
     def _fired(self, _: simpy.Event) -> None:
         self.inert -= 1
+        if self.windows is not None:
+            self.windows.env.idle_step = True
+
+    def _begin(self) -> tuple[Key, int]:
+        """A wait's place in the order the waits began: the key of the event it began in,
+        and how many waits that event had begun before it."""
+        assert self.windows is not None
+        active = self.windows.env.active
+        key, seq = self._begun
+        self._begun = (key, seq + 1) if key is active else (active, 0)
+        return self._begun
 
     @property
     def now(self) -> float:
@@ -318,6 +368,8 @@ class SimRuntime(Interpreter):
             if recv.deadline is not None and recv.deadline <= self.env.now:
                 return take(self.inbox[node], recv, partial=True) or []
             self.waiting[node] = recv
+            if self.windows is not None:
+                self.began[node] = self._begin()
             self.missing[node] = recv.count - sum(matches(recv, m) for m in self.inbox[node])
             self.wakeup[node] = self.env.event()
             if recv.deadline is None:
@@ -374,6 +426,15 @@ class SimRuntime(Interpreter):
         if fate != "delivered":
             dropped = self.dropped.setdefault(msg.dst, {})
             dropped[fate] = dropped.get(fate, 0) + 1
+
+    def _away(self, item: InFlight, delay: float) -> bool:
+        """``--shard-events``: a message for another rank's peer goes to that rank, with
+        the key of its arrival ``delay`` from now (:mod:`p2pfl.runtime.windows`)."""
+        windows = self.windows
+        if windows is None or windows.mine(item.msg.dst):
+            return False
+        windows.outbox[windows.owner(item.msg.dst)].append((windows.env.reserve(delay), item))
+        return True
 
     def _arrive(self, item: InFlight) -> None:
         msg, size, sent, lost = item.msg, item.size, item.sent, item.lost

@@ -45,9 +45,11 @@ class Uplinks:
         nodes: list[int],
         arrive: Callable[[InFlight], None],
         idle: Callable[[simpy.Event], simpy.Event],
+        away: Callable[[InFlight, float], bool],
     ) -> None:
         self.env = env
         self.arrive = arrive
+        self.away = away  # takes a message whose receiver another rank runs (--shard-events)
         self.idle = idle  # marks a timer that can change nothing once the run is over
         self.queue: dict[int, deque[InFlight]] = {n: deque() for n in nodes}  # head in transfer
 
@@ -57,7 +59,10 @@ class Uplinks:
 
     def _land(self, item: InFlight) -> None:
         """Its last bit has left: it arrives ``latency_s`` (plus jitter) later."""
-        arrival = self.env.timeout(item.link.latency_s + item.jitter)
+        delay = item.link.latency_s + item.jitter
+        if self.away(item, delay):
+            return
+        arrival = self.env.timeout(delay)
         arrival.callbacks.append(lambda _: self.arrive(item))
 
 

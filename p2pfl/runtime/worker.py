@@ -8,10 +8,11 @@ seconds each piece of compute costs.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from tqdm import tqdm
 
@@ -75,6 +76,9 @@ class Worker:
         self.total_rounds = setup.method.total_rounds(setup.topology.num_peers)
         self.out = out
         self.baselines: dict[str, float] = {}
+        # what a Report and an Artifact leave (--shard-events: kept, for rank 0 to write)
+        self.baseline: Callable[[str, float], None] = self.baselines.__setitem__
+        self.save_artifact: Callable[[str, list[Any], str, str], None] = self._save_artifact
         bounded = setup.stop is None  # a stop: section's rounds may be unbounded
         self._bar = tqdm(
             total=self.total_rounds if bounded else None, unit="round",
@@ -337,17 +341,21 @@ class Worker:
             )
         else:
             acc, loss = self.trainer.evaluate(eff.state, x, y, device)
-        self.baselines[eff.name] = acc
+        self.baseline(eff.name, acc)
         return acc, loss
 
     def artifact(self, node: int, eff: Artifact) -> None:
         """Write a matrix as CSV and heat-map into the run directory."""
+        matrix = eff.matrix.detach().cpu().numpy()
+        title = eff.title or f"{eff.name} ({self.topology.name(node)})"
+        self.save_artifact(eff.name, matrix.tolist(), str(matrix.dtype), title)
+
+    def _save_artifact(self, name: str, values: list[Any], dtype: str, title: str) -> None:
         if self.out is None:
             return
-        matrix = eff.matrix.detach().cpu().numpy()
-        save_matrix_csv(matrix, self.out / f"{eff.name}.csv")
-        title = eff.title or f"{eff.name} ({self.topology.name(node)})"
-        save_heatmap(matrix, self.out / f"{eff.name}.png", title, "column", "row")
+        matrix = np.array(values, dtype=dtype)
+        save_matrix_csv(matrix, self.out / f"{name}.csv")
+        save_heatmap(matrix, self.out / f"{name}.png", title, "column", "row")
 
     def evaluate(self, node: int, eff: Evaluate, now: float) -> tuple[float, float] | None:
         """Score on the global test set when the round is due (``eval.every``, and the last)

@@ -1,0 +1,413 @@
+"""A population whose *events* are sharded across ranks (``--shard-events``).
+
+With ``--shard`` every rank still runs every node's behaviour (:mod:`p2pfl.runtime.shards`).
+With ``--shard-events`` a rank runs only its own peers' behaviours, trainings and messages,
+and the ranks advance in *windows* of simulated time, a conservative scheme whose lookahead
+is the smallest link latency: a message sent at ``t`` arrives at ``t + latency`` or later, so
+once every rank has processed its events before ``T``, none can receive one before
+``T + lookahead`` that it has not been sent yet. Each window:
+
+1. every rank says when its next event is (``inf`` when it is quiet: all its running nodes
+   listen "until the end" and only idle timers are left), and the smallest is ``T``;
+   ``T = inf`` on every rank is the run's end;
+2. each rank processes its events before ``T + lookahead``;
+3. the messages sent to another rank's peers travel to it, as frames of the wire format
+   (nothing is pickled), and what each rank wrote (the rows of ``comm.csv`` and
+   ``metrics.csv``, a ``Report``'s baseline, an ``Artifact``'s matrix) travels to rank 0,
+   which writes it.
+
+Outputs are byte-identical to one process, because SimPy's order is a key that a rank can
+compute on its own (``benchmarks/causal_order.py`` checks it on shipped experiments): an
+event scheduled while event ``p`` is processed, or after ``p`` was processed last, as the
+``i``-th since ``p`` was taken, has the key ``(time, priority, key(p), i)``; a set-up event
+has ``(time, priority, (), i)``. :class:`KeyedEnvironment` orders its queue by that key, a
+message carries its arrival's key to its receiver's rank, and rank 0 writes the rows in
+key order. The end of a run (every node listening "until the end" is woken, in the order
+it began to wait) is computed from the keys the ranks gather.
+
+A rank trains and scores only its own peers, as one process of fewer peers would; with
+``peers.batched``, only where a peer's bits do not depend on what trains beside it
+(:func:`p2pfl.learning.batched.divisible`). An ``output`` model (a chain's last peer) is
+sent to rank 0; the run's model otherwise is the mean of every peer's, summed from rank to
+rank as ``--shard`` sums it.
+
+What it refuses, before anything runs (``p2pfl run``): a ``network:`` section (another
+rank's crashes, churn and faults decide what a message meets), ``stop:`` and
+``eval.every_s`` (counts and models over every peer at an instant), ``eval.matching``, and
+a link between two ranks' peers without latency (no lookahead).
+"""
+
+from __future__ import annotations
+
+import functools
+import heapq
+import json
+import math
+import struct
+from collections.abc import Callable
+from typing import Any, cast
+
+import simpy
+import torch
+import torch.distributed as dist
+from simpy.core import EmptySchedule
+from simpy.events import NORMAL
+
+from p2pfl.core.errors import ConfigError
+from p2pfl.learning.state import State, ghost
+from p2pfl.methods.effects import Finish
+from p2pfl.network.ledger import Ledger
+from p2pfl.network.message import Message
+from p2pfl.network.topology import Topology
+from p2pfl.network.wire import decode, encode
+from p2pfl.reporting.reporters import Reporter
+from p2pfl.runtime.ranks import Ranks
+from p2pfl.runtime.uplinks import InFlight
+
+Key = tuple[Any, ...]
+"""An event's place in SimPy's order: ``(time, priority, parent's key, index)``."""
+
+ROOT: Key = ()
+"""The parent of the events scheduled at set-up."""
+
+
+def flat(key: Key) -> list[float]:
+    """``key`` as numbers, ``(time, priority, index)`` from the event to its first ancestor."""
+    out: list[float] = []
+    while key:
+        out += (key[0], key[1], key[3])
+        key = key[2]
+    return out
+
+
+def unflat(numbers: list[float]) -> Key:
+    """The key that :func:`flat` gave ``numbers`` for."""
+    key: Key = ROOT
+    for i in range(len(numbers) - 3, -1, -3):
+        key = (numbers[i], int(numbers[i + 1]), key, int(numbers[i + 2]))
+    return key
+
+
+class KeyedEnvironment(simpy.Environment):
+    """SimPy's environment with its queue ordered by the causal key instead of a counter
+    global to the process: the same order, computed from each event's cause."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.active: Key = ROOT  # the event being processed, or processed last
+        self.children = 0  # events scheduled since it was taken
+        self.live: tuple[Key, int] = (ROOT, 0)  # the last that was not an idle timer
+        self.idle_step = False
+        # SimPy's own queue, of (time, priority, key, event) instead of a counter's value
+        self.queue: list[tuple[float, int, Key, simpy.Event]] = cast(Any, self._queue)
+
+    def schedule(self, event: simpy.Event, priority: int = NORMAL, delay: float = 0) -> None:
+        at = self._now + delay
+        key = (at, int(priority), self.active, self.children)
+        self.children += 1
+        heapq.heappush(self.queue, (at, int(priority), key, event))
+
+    def reserve(self, delay: float) -> Key:
+        """The key of an event scheduled now, ``delay`` later, that another rank processes."""
+        key = (self._now + delay, NORMAL, self.active, self.children)
+        self.children += 1
+        return key
+
+    def insert(self, key: Key, callback: Callable[[simpy.Event], None]) -> None:
+        """Queue an event of another rank's making, with its key."""
+        event = simpy.Event(self)
+        event._ok, event._value = True, None
+        event.callbacks = [callback]
+        heapq.heappush(self.queue, (key[0], key[1], key, event))
+
+    def after(self, key: Key, children: int) -> None:
+        """Schedule what follows as the events after ``key``'s ``children`` first ones
+        (the run's end: its listeners woken after the last event of all ranks)."""
+        self._now, self.active, self.children = key[0], key, children
+
+    def step(self) -> None:
+        try:
+            self._now, _, key, event = heapq.heappop(self.queue)
+        except IndexError:
+            raise EmptySchedule from None
+        self.active, self.children, self.idle_step = key, 0, False
+        callbacks, event.callbacks = event.callbacks, None  # type: ignore[assignment]
+        for callback in callbacks:
+            callback(event)
+        if not self.idle_step:
+            self.live = (key, self.children)
+        if not event._ok and not hasattr(event, "_defused"):
+            exc = type(event._value)(*event._value.args)
+            exc.__cause__ = event._value
+            raise exc
+
+
+def _frames(msgs: list[Message]) -> bytes:
+    """Messages as wire frames, each after its length."""
+    return b"".join(struct.pack("<Q", len(f)) + f for f in map(encode, msgs))
+
+
+def _unframes(data: memoryview) -> list[Message]:
+    msgs, offset = [], 0
+    while offset < len(data):
+        (n,) = struct.unpack_from("<Q", data, offset)
+        msgs.append(decode(bytearray(data[offset + 8 : offset + 8 + n])))
+        offset += 8 + n
+    return msgs
+
+
+def _arrival(arrive: Callable[[InFlight], None], item: InFlight, _: simpy.Event) -> None:
+    arrive(item)
+
+
+def lookahead(topology: Topology, ranks: Ranks) -> float:
+    """The smallest latency of a link between peers of two ranks: the windows' length."""
+    owner = lambda n: ranks.owner(n, topology.num_peers)  # noqa: E731
+    crossing = [
+        topology.link(u, v).latency_s for u, v in topology.graph.edges if owner(u) != owner(v)
+    ]
+    least = min(crossing, default=math.inf)
+    if least <= 0:
+        raise ConfigError(
+            "--shard-events",
+            "a link between two ranks' peers has no latency: the ranks could not run ahead "
+            "of each other (give links latency_s > 0, or leave out --shard-events)",
+        )
+    return least
+
+
+class Windows:
+    """The ranks' windows: which rank runs each node, the messages that cross between them,
+    and the rows rank 0 writes in key order."""
+
+    def __init__(self, ranks: Ranks, topology: Topology) -> None:
+        self.ranks = ranks
+        self.rank, self.world = ranks.rank, ranks.world
+        self.topology = topology
+        self.lookahead = lookahead(topology, ranks)
+        self.env = KeyedEnvironment()
+        self.outbox: list[list[tuple[Key, InFlight]]] = [[] for _ in range(self.world)]
+        self.rows: list[tuple[Key, int, int, tuple[Any, ...]]] = []  # key, seq, file, row
+        self._row_key: Key | None = None
+        self._seq = 0
+        self.writers: list[Callable[..., None]] = []  # rank 0's: comm.csv, metrics.csv
+
+    def owner(self, node: int) -> int:
+        return self.ranks.owner(node, self.topology.num_peers)
+
+    def mine(self, node: int) -> bool:
+        return self.owner(node) == self.rank
+
+    # -- rows, written by rank 0 in key order ----------------------------------------------
+    def writer(self, write: Callable[..., None]) -> Callable[..., None]:
+        """A stand-in for ``write`` (``Ledger.record``, ``Reporter.log``) that keeps each
+        row with the key of the event that wrote it; rank 0 calls ``write`` in key order."""
+        which = len(self.writers)
+        self.writers.append(write)
+
+        def keep(*row: Any) -> None:
+            key = self.env.active
+            if key is not self._row_key:
+                self._row_key, self._seq = key, 0
+            self.rows.append((key, self._seq, which, row))
+            self._seq += 1
+
+        return keep
+
+    # -- the window loop -------------------------------------------------------------------
+    def advance(self, quiet: Callable[[], bool], arrive: Callable[[InFlight], None]) -> None:
+        """Run windows until every rank is quiet and no message is on its way."""
+        env, queue = self.env, self.env.queue
+        while True:
+            mine = math.inf if quiet() or not queue else queue[0][0]
+            start = self._min(mine)
+            if start == math.inf:
+                return
+            horizon = start + self.lookahead
+            while queue and queue[0][0] < horizon:
+                env.step()
+            self._exchange(arrive)
+
+    def finals(self, mine: dict[int, Finish], layout: State) -> dict[int, Finish]:
+        """Every node's ``Finish``: this rank's, and a ghost of each other rank's (its
+        model's layout, no bytes), as a sharded run's results expect; an ``output`` model
+        (the run's result: a chain's last peer) travels to rank 0, which scores it."""
+        told = self.gather([[n, f.state is not None, f.output] for n, f in mine.items()])
+        out: dict[int, Finish] = {}
+        for rank, finishes in enumerate(told):
+            for node, held, output in finishes:
+                if rank == self.rank:
+                    out[node] = mine[node]
+                else:
+                    out[node] = Finish(ghost(layout) if held else None, output)
+        results = [
+            Message("model", n, 0, 0, f.state, {})
+            for n, f in sorted(mine.items())
+            if f.output and f.state is not None
+        ]
+        sent = [_frames(results) if r == 0 and self.rank else b"" for r in range(self.world)]
+        for data in self._swap(sent):
+            for msg in _unframes(data):
+                out[msg.src] = Finish(msg.tensors, True)
+        return dict(sorted(out.items()))
+
+    def last(self) -> tuple[Key, int]:
+        """The last event that was not an idle timer, over all ranks, and its children."""
+        key, children = self.env.live
+        best = (ROOT, 0)
+        for f, c in self.gather([flat(key), children]):
+            k = unflat(f)
+            if k > best[0]:
+                best = (k, c)
+        return best
+
+    def listeners(self, mine: list[tuple[Key, int, int]]) -> list[int]:
+        """Every rank's nodes listening "until the end", in the order they began to wait:
+        ``mine`` holds this rank's, each as (the key of the event it began in, its place
+        among the waits that event began, node)."""
+        everyone = [
+            (unflat(f), seq, node)
+            for rows in self.gather([[flat(k), s, n] for k, s, n in mine])
+            for f, seq, node in rows
+        ]
+        return [node for _, _, node in sorted(everyone, key=lambda w: (w[0], w[1]))]
+
+    def _min(self, value: float) -> float:
+        t = torch.tensor([value], dtype=torch.float64)
+        with self.ranks.together():
+            dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        return float(t.item())
+
+    def maximum(self, value: float) -> float:
+        t = torch.tensor([value], dtype=torch.float64)
+        with self.ranks.together():
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return float(t.item())
+
+    def gather(self, value: Any) -> list[Any]:
+        """Every rank's ``value`` (JSON: numbers, strings, lists), in rank order."""
+        data = json.dumps(value, separators=(",", ":")).encode()
+        size = torch.tensor([len(data)], dtype=torch.int64)
+        sizes = [torch.empty_like(size) for _ in range(self.world)]
+        with self.ranks.together():
+            dist.all_gather(sizes, size)
+        most = max(int(s) for s in sizes)
+        mine = torch.zeros(most, dtype=torch.uint8)
+        mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        bufs = [torch.empty(most, dtype=torch.uint8) for _ in range(self.world)]
+        with self.ranks.together():
+            dist.all_gather(bufs, mine)
+        return [json.loads(bytes(b[: int(s)].numpy())) for b, s in zip(bufs, sizes, strict=True)]
+
+    def _exchange(self, arrive: Callable[[InFlight], None]) -> None:
+        """Send each rank the messages for its peers, and rank 0 the rows; queue the
+        messages that came, write the rows that came (rank 0)."""
+        out = [self._pack_messages(r) for r in range(self.world)]
+        out[0] = out[0] + self._pack_rows() if self.rank else out[0]
+        got = self._swap(out)
+        rows = self._take_rows() if self.rank == 0 else []
+        for r, data in enumerate(got):
+            offset = self._unpack_messages(data, arrive)
+            if self.rank == 0 and r:
+                rows += self._unpack_rows(data[offset:])
+        if self.rank == 0:
+            rows.sort(key=lambda row: (row[0], row[1]))
+            for _, _, which, row in rows:
+                self.writers[which](*row)
+
+    def _pack_messages(self, r: int) -> bytes:
+        """The messages for rank ``r``'s peers: a count, then each as a JSON head (its
+        arrival's key, size, send time) and its frame."""
+        if r == self.rank:
+            return b""
+        parts: list[bytes | bytearray] = [struct.pack("<Q", len(self.outbox[r]))]
+        for key, item in self.outbox[r]:
+            head = json.dumps([flat(key), item.size, item.sent]).encode()
+            frame = encode(item.msg)
+            parts += [struct.pack("<QQ", len(head), len(frame)), head, frame]
+        self.outbox[r] = []
+        return b"".join(parts)
+
+    def _unpack_messages(self, data: memoryview, arrive: Callable[[InFlight], None]) -> int:
+        if not len(data):
+            return 0
+        (count,), offset = struct.unpack_from("<Q", data), 8
+        for _ in range(count):
+            n_head, n_frame = struct.unpack_from("<QQ", data, offset)
+            offset += 16
+            key, size, sent = json.loads(bytes(data[offset : offset + n_head]))
+            offset += n_head
+            msg: Message = decode(bytearray(data[offset : offset + n_frame]))
+            offset += n_frame
+            link = self.topology.link(msg.src, msg.dst)
+            item = InFlight(msg, size, sent, link, False, 0.0)
+            self.env.insert(unflat(key), functools.partial(_arrival, arrive, item))
+        return offset
+
+    def _pack_rows(self) -> bytes:
+        rows = self._take_rows()
+        return json.dumps([[flat(k), s, w, r] for k, s, w, r in rows]).encode()
+
+    def _take_rows(self) -> list[tuple[Key, int, int, tuple[Any, ...]]]:
+        rows, self.rows = self.rows, []
+        return rows
+
+    def _unpack_rows(self, data: memoryview) -> list[tuple[Key, int, int, tuple[Any, ...]]]:
+        if not len(data):
+            return []
+        return [(unflat(k), s, w, tuple(r)) for k, s, w, r in json.loads(bytes(data))]
+
+    def _swap(self, out: list[bytes]) -> list[memoryview]:
+        """Send ``out[r]`` to each rank ``r``; what each rank sent here, in rank order."""
+        sizes = torch.tensor([len(b) for b in out], dtype=torch.int64)
+        theirs = [torch.empty(self.world, dtype=torch.int64) for _ in range(self.world)]
+        with self.ranks.together():
+            dist.all_gather(theirs, sizes)
+        recvs = {
+            r: torch.empty(int(theirs[r][self.rank]), dtype=torch.uint8)
+            for r in range(self.world)
+            if r != self.rank and int(theirs[r][self.rank])
+        }
+        with self.ranks.together():
+            pending = [
+                dist.isend(torch.frombuffer(bytearray(b), dtype=torch.uint8), r)
+                for r, b in enumerate(out)
+                if r != self.rank and len(b)
+            ]
+            pending += [dist.irecv(b, r) for r, b in recvs.items()]
+            for request in pending:
+                if request is not None:
+                    request.wait()
+        empty = memoryview(b"")
+        return [recvs[r].numpy().data if r in recvs else empty for r in range(self.world)]
+
+
+class KeptLedger(Ledger):
+    """``comm.csv``'s rows of this rank's arrivals, kept for rank 0 to write in key order."""
+
+    def __init__(self, windows: Windows, ledger: Ledger) -> None:
+        super().__init__()
+        self._keep = windows.writer(ledger.record)
+
+    def record(
+        self,
+        time: float,
+        round: int,
+        src: str,
+        dst: str,
+        kind: str,
+        nbytes: int,
+        arrival: float,
+        fate: str = "delivered",
+    ) -> None:
+        self._keep(time, round, src, dst, kind, nbytes, arrival, fate)
+
+
+class KeptRows(Reporter):
+    """``metrics.csv``'s rows of this rank's peers, kept for rank 0 to write in key order."""
+
+    def __init__(self, windows: Windows, metrics: Reporter) -> None:
+        self._keep = windows.writer(metrics.log)
+
+    def log(self, time: float, round: int, peer: str, metric: str, value: float) -> None:
+        self._keep(time, round, peer, metric, value)

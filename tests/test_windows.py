@@ -1,0 +1,211 @@
+"""A population whose events are sharded across ranks (``--shard-events``): each rank runs
+only its own peers, the ranks advance in windows of the smallest link latency, and the
+outputs are the bytes of one process (:mod:`p2pfl.runtime.windows`)."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+import simpy
+from test_ranks import RING, exp_file, outputs, spread
+from test_shards import ADPSGD, GOSSIP, STAR
+
+import p2pfl.runtime.sim as sim
+from conftest import DEVICE
+from p2pfl.app.cli import main
+from p2pfl.runtime.windows import KeyedEnvironment, flat, unflat
+
+FEDBUFF = {  # an asynchronous server and a straggler: arrivals, not rounds, drive it
+    "topology": {"kind": "star"},
+    "peers": {"count": 6, "flops_per_s": 3.0e8, "slow_fraction": 0.2, "slow_factor": 0.1},
+    "algorithm": {"name": "fedbuff", "rounds": 6, "buffer_size": 3},
+}
+
+
+def _order(env: simpy.Environment, seed: int) -> list[tuple[int, int]]:
+    """What a mix of SimPy processes does, in order: ties at one instant (timeouts of 0,
+    events succeeded by another process, urgent interrupts, conditions) are most of it."""
+    rng = random.Random(seed)
+    done: list[tuple[int, int]] = []
+    signals = [env.event() for _ in range(4)]
+
+    def proc(i: int):
+        for step in range(6):
+            done.append((i, step))
+            pick = rng.random()
+            if pick < 0.3:
+                yield env.timeout(rng.choice([0, 0, 1, 2]))
+            elif pick < 0.5 and not signals[i % 4].triggered:
+                signals[i % 4].succeed()
+                yield env.timeout(0)
+            elif pick < 0.7:
+                yield env.timeout(1) | env.timeout(rng.choice([0, 1]))
+            else:
+                yield env.timeout(rng.choice([0, 1]))
+
+    for i in range(12):
+        env.process(proc(i))
+    env.run()
+    return done
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_the_keyed_environment_processes_events_in_simpys_order(seed):
+    assert _order(KeyedEnvironment(), seed) == _order(simpy.Environment(), seed)
+
+
+def test_a_key_survives_its_numbers():
+    env = KeyedEnvironment()
+    seen: list[Any] = []
+
+    def proc():
+        for _ in range(3):
+            yield env.timeout(0.5)
+            seen.append(env.active)
+
+    env.process(proc())
+    env.run()
+    assert all(unflat(flat(k)) == k for k in seen) and len(flat(seen[-1])) == 3 * 4
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_events_sharded_write_the_bytes_of_one_process(tmp_path, world):
+    exp = exp_file(tmp_path, **RING)
+    assert spread(exp, tmp_path / "one", 1) == 0
+    assert spread(exp, tmp_path / "many", world, "--shard-events") == 0
+    one = outputs(tmp_path / "one")
+    assert outputs(tmp_path / "many") == one
+    assert all(p["accuracy"] is not None for p in one["summary"]["per_peer"])
+
+
+@pytest.mark.parametrize(
+    "sections",
+    [GOSSIP, STAR, ADPSGD, FEDBUFF],
+    ids=["gossip-batched", "fedavg-star", "adpsgd-handler", "fedbuff-async"],
+)
+def test_methods_with_events_sharded_write_the_bytes_of_one_process(tmp_path, sections):
+    if sections["peers"].get("batched") and DEVICE["name"] != "cpu":
+        pytest.skip("batched groups are divided among ranks on a CPU only")
+    exp = exp_file(tmp_path, **sections)
+    assert spread(exp, tmp_path / "one", 1) == 0
+    assert spread(exp, tmp_path / "three", 3, "--shard-events") == 0
+    assert outputs(tmp_path / "three") == outputs(tmp_path / "one")
+
+
+def test_each_rank_runs_only_its_own_peers(tmp_path, monkeypatch):
+    """Rank 0 of 3 (this process; the others are forked) runs peers 0 and 1 of six: their
+    behaviours, and only the events they cause."""
+    if DEVICE["name"] != "cpu":
+        pytest.skip("on a GPU host the ranks run in fresh processes")
+    ran: list[list[int]] = []
+    steps = {"one": 0, "rank 0": 0}
+    run, step, keyed = sim.SimRuntime.run, simpy.Environment.step, KeyedEnvironment.step
+
+    def spy(self, behaviours):
+        ran.append(sorted(behaviours))
+        return run(self, behaviours)
+
+    def counted(name, original):
+        def count(env):
+            steps[name] += 1
+            original(env)
+
+        return count
+
+    monkeypatch.setattr(sim.SimRuntime, "run", spy)
+    monkeypatch.setattr(simpy.Environment, "step", counted("one", step))
+    monkeypatch.setattr(KeyedEnvironment, "step", counted("rank 0", keyed))
+    exp = exp_file(tmp_path, **RING)
+    assert spread(exp, tmp_path / "one", 1) == 0
+    assert spread(exp, tmp_path / "three", 3, "--shard-events") == 0
+    assert ran == [[0, 1, 2, 3, 4, 5], [0, 1]]
+    assert 0 < steps["rank 0"] < steps["one"] / 2  # its peers' events, and their arrivals
+    assert outputs(tmp_path / "three") == outputs(tmp_path / "one")
+
+
+BAD = [
+    (
+        {"network": {"links": {"loss": 0.1}}},
+        "--shard-events: a network: section reads every rank's peers at each instant",
+    ),
+    ({"stop": {"time_s": 0.01}}, "--shard-events: a stop: section reads every rank's peers"),
+    (
+        {"eval": {"every": 1, "every_s": 0.01}},
+        "--shard-events: eval.every_s needs every peer's model in one process",
+    ),
+    (
+        {"topology": {"kind": "ring", "link": {"latency_s": 0.0}}},
+        "--shard-events: a link between two ranks' peers has no latency",
+    ),
+]
+
+
+@pytest.mark.parametrize("sections,message", BAD, ids=["network", "stop", "every_s", "latency"])
+def test_what_a_rank_cannot_decide_alone_is_one_error_line(tmp_path, capsys, sections, message):
+    out = tmp_path / "out"
+    exp = exp_file(tmp_path, **(RING | sections))
+    code = main(["run", str(exp), "--out", str(out), "--workers", "2", "--shard-events"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith(f"error: {message}") and len(err.splitlines()) == 1, err
+    assert not out.exists()
+
+
+LISTENERS = '''
+import math
+from dataclasses import dataclass
+
+import torch
+
+from p2pfl.api import METHODS, Artifact, Finish, Log, Method, Now, Recv, Report, Send, Wait
+
+
+@METHODS.register("late_listeners")
+@dataclass(kw_only=True, eq=False)
+class LateListeners(Method):
+    """Each peer sends one message, then listens "until the end" for two, the later peers
+    first; woken at the run's end, each logs the time: the rows' order is the wake order.
+    Peers 4 and 5 (rank 2's of 3) also report a baseline and write a matrix."""
+
+    serverless = True
+
+    def total_rounds(self, num_peers):
+        return 1
+
+    def behaviour(self, ctx):
+        state = ctx.init_state()
+        yield Send(ctx.neighbours[0], "model", 1, state)  # 0 and 1 get two: woken then
+        yield Wait([3, 0, 5, 1, 4, 2][ctx.node % 6] * 0.001)
+        got = yield Recv(kinds=("model",), count=2, deadline=math.inf)
+        yield Log(1, "woke", (yield Now()) + len(got))
+        if ctx.node >= 4:
+            yield Report(f"start{ctx.node}", state)
+            yield Artifact(f"grid{ctx.node}", torch.arange(6.0).view(2, 3) / (ctx.node + 3))
+        yield Finish(state)
+'''
+
+
+def test_listeners_of_every_rank_wake_in_the_order_they_began_to_wait(tmp_path):
+    """At a run's end the nodes listening "until the end" are woken as one process wakes
+    them, in the order they began to wait (not by node, nor rank by rank): the rows they
+    write then come out in that order, and rank 0 writes another rank's baselines and
+    matrices as one process does."""
+    (tmp_path / "listeners.py").write_text(LISTENERS)
+    exp = exp_file(
+        tmp_path,
+        plugins=[str(tmp_path / "listeners.py")],
+        topology={"kind": "ring"},
+        peers={"count": 6},
+        algorithm={"name": "late_listeners"},
+    )
+    assert spread(exp, tmp_path / "one", 1) == 0
+    assert spread(exp, tmp_path / "three", 3, "--shard-events") == 0
+    one = outputs(tmp_path / "one")
+    rows = [line.split(",") for line in one["metrics.csv"].decode().splitlines()[1:]]
+    woke = [row[2] for row in rows if row[3] == "woke"]
+    assert woke[2:] == ["3", "5", "4", "2"]  # as they began to wait: not by node, nor rank
+    assert outputs(tmp_path / "three") == one
+    assert list(one["summary"]["baselines"]) == ["start5", "start4"]
+    for name in ("grid4.csv", "grid4.png", "grid5.csv", "grid5.png"):
+        assert (tmp_path / "three" / name).read_bytes() == (tmp_path / "one" / name).read_bytes()
