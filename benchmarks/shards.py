@@ -1,17 +1,19 @@
-"""A population sharded across ranks (``--shard``): memory per rank against the number of ranks.
+"""A population sharded across ranks (``--shard``, ``--shard-events``): memory and time per rank
+against the number of ranks.
 
 Runs one of ``benchmarks/population.py``'s workloads (default: DFedAvgM on a ring of 10,000
-peers, MLP 784-64-10) as a user types it, ``p2pfl run EXP --workers N --shard``, for each N
-(N = 1: one process, no flag), and samples every rank's memory every 0.1 s from outside:
-its peak proportional set size (PSS: pages shared with the other ranks, forked from rank
-0 with torch and the data, count a 1/k share in each of k), its peak resident set (RSS),
-and the sum of the ranks' PSS at the moment it peaked (the run's memory on this host). It
-also gives the run's wall and CPU seconds (every rank's user + system) and checks that
-every N wrote the bytes of one process (``comm.csv``, ``metrics.csv``, ``summary.json``
-minus wall times).
+peers, MLP 784-64-10) as a user types it, ``p2pfl run EXP --workers N --shard`` (each rank
+holds its peers' models, every rank simulates every peer) and ``--shard-events`` (each rank
+also simulates only its own peers), for each N (N = 1: one process, no flag). It samples
+every rank's memory every 0.1 s from outside: its peak proportional set size (PSS: pages
+shared with the other ranks, forked from rank 0 with torch and the data, count a 1/k share
+in each of k), its peak resident set (RSS), and the sum of the ranks' PSS at the moment it
+peaked (the run's memory on this host). It also gives the run's wall and CPU seconds (every
+rank's user + system) and checks that every run wrote the bytes of one process
+(``comm.csv``, ``metrics.csv``, ``summary.json`` minus wall times).
 
     OMP_NUM_THREADS=1 python benchmarks/shards.py [--workload dfedavgm] [--peers 10000] \
-        [--ranks 1 2 4]
+        [--ranks 1 2 4] [--modes shard shard-events]
 """
 
 from __future__ import annotations
@@ -95,12 +97,12 @@ class Sampler(threading.Thread):
             self.total = max(self.total, now)
 
 
-def measure(exp: Path, ranks: int, out: Path) -> dict[str, Any]:
-    """One run of ``exp`` on ``ranks`` ranks (sharded where more than one)."""
+def measure(exp: Path, ranks: int, out: Path, mode: str = "shard") -> dict[str, Any]:
+    """One run of ``exp`` on ``ranks`` ranks (sharded by ``--MODE`` where more than one)."""
     cmd = [sys.executable, "-m", "p2pfl", "run", str(exp), "--out", str(out), "--quiet"]
     cmd += ["--force"]
     if ranks > 1:
-        cmd += ["--workers", str(ranks), "--shard"]
+        cmd += ["--workers", str(ranks), f"--{mode}"]
     env = os.environ | {"OMP_NUM_THREADS": "1"}
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
@@ -115,6 +117,7 @@ def measure(exp: Path, ranks: int, out: Path) -> dict[str, Any]:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{err[-3000:]}")
     summary = json.loads((out / "summary.json").read_text())
     return {
+        "mode": mode if ranks > 1 else "one process",
         "ranks": ranks,
         "wall_s": wall,
         "run_wall_s": summary["wall_time_s"],
@@ -139,6 +142,7 @@ def main() -> None:
     parser.add_argument("--workload", default="dfedavgm", choices=sorted(WORKLOADS))
     parser.add_argument("--peers", type=int, default=10_000)
     parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--modes", nargs="+", default=["shard", "shard-events"])
     parser.add_argument("--name", default="shards")
     args = parser.parse_args()
     config = WORKLOADS[args.workload] | {"name": f"shards-{args.workload}"}
@@ -148,23 +152,24 @@ def main() -> None:
         exp = Path(tmp) / "exp.yaml"
         exp.write_text(yaml.safe_dump(config, sort_keys=False))
         first = None
-        for n in args.ranks:
-            out = Path(tmp) / f"w{n}"
-            r = measure(exp, n, out)
+        plan = [(m, n) for n in args.ranks for m in (args.modes if n > 1 else ["shard"])]
+        for mode, n in plan:
+            out = Path(tmp) / f"{mode}-{n}"
+            r = measure(exp, n, out, mode)
             same = first is None or _outputs(out) == first
             first = first or _outputs(out)
             r["same_bytes"] = same
             runs.append(r)
             rows.append(
                 [
-                    n, f"{r['run_wall_s']:.1f}", f"{r['cpu_s']:.1f}",
+                    r["mode"], n, f"{r['run_wall_s']:.1f}", f"{r['cpu_s']:.1f}",
                     f"{r['rank_pss_peak'] / GiB:.2f}", f"{r['rank_rss_peak'] / GiB:.2f}",
                     f"{r['pss_peak_total'] / GiB:.2f}", "yes" if same else "NO",
                 ]
             )  # fmt: skip
             print(rows[-1], flush=True)
     columns = [
-        "ranks", "run wall s", "CPU s (all ranks)", "peak PSS per rank GiB",
+        "mode", "ranks", "run wall s", "CPU s (all ranks)", "peak PSS per rank GiB",
         "peak RSS per rank GiB", "peak PSS, ranks summed GiB", "bytes of 1 process",
     ]  # fmt: skip
     report(

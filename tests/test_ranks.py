@@ -219,15 +219,15 @@ def test_forked_ranks_compute_on_several_threads_each(tmp_path):
     assert outputs(tmp_path / "w2") == outputs(tmp_path / "w1")
 
 
-def long_spread_run(tmp_path: Path, **popen: Any) -> subprocess.Popen[str]:
-    """``p2pfl run --workers 2`` of a 100,000-round ring into ``tmp_path/o``, started, with
-    its stderr piped: a run that lasts until it is killed or interrupted."""
+def long_spread_run(tmp_path: Path, *options: str, **popen: Any) -> subprocess.Popen[str]:
+    """``p2pfl run --workers 2 [options]`` of a 100,000-round ring into ``tmp_path/o``,
+    started, with its stderr piped: a run that lasts until it is killed or interrupted."""
     exp = exp_file(tmp_path, **(RING | {"algorithm": {"name": "dfedavgm", "rounds": 100_000}}))
     cmd = [sys.executable, "-m", "p2pfl", "run", str(exp), "--out", str(tmp_path / "o")]
     env = os.environ | {"OMP_NUM_THREADS": "1"}
     return subprocess.Popen(
-        [*cmd, "--quiet", "--workers", "2"], env=env, cwd=ROOT, stderr=subprocess.PIPE,
-        text=True, **popen,
+        [*cmd, "--quiet", "--workers", "2", *options], env=env, cwd=ROOT,
+        stderr=subprocess.PIPE, text=True, **popen,
     )  # fmt: skip
 
 
@@ -241,9 +241,10 @@ def wait_under_way(out: Path) -> None:
     raise AssertionError(f"{out}: no scores written in a minute")
 
 
-def test_a_dead_rank_ends_the_run_naming_it(tmp_path):
+@pytest.mark.parametrize("options", [[], ["--shard-events"]], ids=["workers", "shard-events"])
+def test_a_dead_rank_ends_the_run_naming_it(tmp_path, options):
     """Rank 0 ends its run (summary.json says why) with one error line naming the rank."""
-    proc = long_spread_run(tmp_path)
+    proc = long_spread_run(tmp_path, *options)
     try:
         child = None
         for _ in range(300):  # the rank appears within seconds (forked, named; beside it
