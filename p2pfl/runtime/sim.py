@@ -376,8 +376,10 @@ class SimRuntime(Interpreter):
                 yield self.wakeup[node]
             elif recv.deadline == math.inf:  # woken by a message or by the run's end
                 self.listening += 1
-                yield self.wakeup[node]
-                self.listening -= 1
+                try:
+                    yield self.wakeup[node]
+                finally:  # or crashed: no longer counted as listening either way
+                    self.listening -= 1
             else:
                 timer = self.env.timeout(recv.deadline - self.env.now)
                 yield self.wakeup[node] | timer
