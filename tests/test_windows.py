@@ -10,13 +10,30 @@ from typing import Any
 import pytest
 import simpy
 from test_ranks import RING, exp_file, outputs, spread
-from test_shards import ADPSGD, GOSSIP, STAR
+from test_shards import ADPSGD, CHURN, GOSSIP, STAR
 
 import p2pfl.runtime.sim as sim
 from conftest import DEVICE
 from p2pfl.app.cli import main
 from p2pfl.runtime.windows import KeyedEnvironment, flat, unflat
 
+FAULTS = {  # a crash, churn, lost and late messages: each decided where a rank can
+    "topology": {"kind": "random_regular", "d": 4},
+    "peers": {"count": 10},
+    "algorithm": {"name": "dfedavgm", "rounds": 4, "wait_s": 0.5},
+    "network": {
+        "churn": {"online": {"dist": "weibull", "mean_s": 0.05, "shape": 0.6},
+                  "offline_fraction": 0.3},
+        "crashes": {"at": {3: 0.04, 7: 0.08}},
+        "links": {"loss": 0.2, "jitter": {"dist": "exponential", "mean_s": 0.01}},
+    },
+}  # fmt: skip
+EPIDEMIC = {  # a graph redrawn every round (Epidemic Learning): any two peers may be linked
+    "topology": {"kind": "mesh"},
+    "peers": {"count": 9},
+    "algorithm": {"name": "dfedavgm", "rounds": 3, "mixing": "uniform"},
+    "network": {"graph": {"every": "round", "kind": "s_out", "s": 2}},
+}
 FEDBUFF = {  # an asynchronous server and a straggler: arrivals, not rounds, drive it
     "topology": {"kind": "star"},
     "peers": {"count": 6, "flops_per_s": 3.0e8, "slow_fraction": 0.2, "slow_factor": 0.1},
@@ -82,9 +99,12 @@ def test_events_sharded_write_the_bytes_of_one_process(tmp_path, world):
 
 @pytest.mark.parametrize(
     "sections",
-    [GOSSIP, STAR, ADPSGD, FEDBUFF],
-    ids=["gossip-batched", "fedavg-star", "adpsgd-handler", "fedbuff-async"],
-)
+    [GOSSIP, STAR, ADPSGD, FEDBUFF, CHURN, FAULTS, EPIDEMIC],
+    ids=[
+        "gossip-batched", "fedavg-star", "adpsgd-handler", "fedbuff-async",
+        "dfedavgm-churn-loss", "crashes-jitter", "epidemic-redrawn",
+    ],
+)  # fmt: skip
 def test_methods_with_events_sharded_write_the_bytes_of_one_process(tmp_path, sections):
     if sections["peers"].get("batched") and DEVICE["name"] != "cpu":
         pytest.skip("batched groups are divided among ranks on a CPU only")
@@ -126,10 +146,6 @@ def test_each_rank_runs_only_its_own_peers(tmp_path, monkeypatch):
 
 
 BAD = [
-    (
-        {"network": {"links": {"loss": 0.1}}},
-        "--shard-events: a network: section reads every rank's peers at each instant",
-    ),
     ({"stop": {"time_s": 0.01}}, "--shard-events: a stop: section reads every rank's peers"),
     (
         {"eval": {"every": 1, "every_s": 0.01}},
@@ -142,7 +158,7 @@ BAD = [
 ]
 
 
-@pytest.mark.parametrize("sections,message", BAD, ids=["network", "stop", "every_s", "latency"])
+@pytest.mark.parametrize("sections,message", BAD, ids=["stop", "every_s", "latency"])
 def test_what_a_rank_cannot_decide_alone_is_one_error_line(tmp_path, capsys, sections, message):
     out = tmp_path / "out"
     exp = exp_file(tmp_path, **(RING | sections))
@@ -209,3 +225,55 @@ def test_listeners_of_every_rank_wake_in_the_order_they_began_to_wait(tmp_path):
     assert list(one["summary"]["baselines"]) == ["start5", "start4"]
     for name in ("grid4.csv", "grid4.png", "grid5.csv", "grid5.png"):
         assert (tmp_path / "three" / name).read_bytes() == (tmp_path / "one" / name).read_bytes()
+
+
+LATE_CRASH = '''
+import math
+from dataclasses import dataclass
+
+from p2pfl.api import METHODS, Finish, Log, Method, Recv, Wait
+
+
+@METHODS.register("late_crash")
+@dataclass(kw_only=True, eq=False)
+class LateCrash(Method):
+    """Peers 4 and 5 are busy until 0.5 s; the others listen "until the end" from the start,
+    and log when woken at the run's end (a crashed one never is)."""
+
+    serverless = True
+
+    def total_rounds(self, num_peers):
+        return 1
+
+    def behaviour(self, ctx):
+        state = ctx.init_state()
+        if ctx.node >= 4:
+            yield Wait(0.5)
+        else:
+            got = yield Recv(kinds=("model",), count=1, deadline=math.inf)
+            yield Log(1, "woke", len(got))
+        yield Finish(state)
+'''
+
+
+def test_a_listeners_crash_counts_only_while_another_rank_is_busy(tmp_path):
+    """One process takes a crash time while any node is still busy, and never after: peer 1
+    (rank 0 of 3, listening) crashes at 0.2 s, while rank 2's peers are busy until 0.5 s;
+    peer 2 (rank 1) would crash at 0.505 s, after the run's last event but inside its last
+    window, and does not. A rank whose nodes all listen puts its crash times off until it
+    knows."""
+    (tmp_path / "late_crash.py").write_text(LATE_CRASH)
+    exp = exp_file(
+        tmp_path,
+        plugins=[str(tmp_path / "late_crash.py")],
+        topology={"kind": "ring"},
+        peers={"count": 6},
+        algorithm={"name": "late_crash"},
+        network={"crashes": {"at": {1: 0.2, 2: 0.505}}},
+    )
+    assert spread(exp, tmp_path / "one", 1) == 0
+    assert spread(exp, tmp_path / "three", 3, "--shard-events") == 0
+    one = outputs(tmp_path / "one")
+    rows = [line.split(",") for line in one["metrics.csv"].decode().splitlines()[1:]]
+    assert sorted(row[2] for row in rows if row[3] == "woke") == ["0", "2", "3"]
+    assert outputs(tmp_path / "three") == one

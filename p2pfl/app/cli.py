@@ -624,17 +624,12 @@ def _check_events(setup: Setup, ranks: int) -> None:
     from p2pfl.runtime.ranks import Ranks
     from p2pfl.runtime.windows import lookahead
 
-    whole = {
-        "network": setup.network is not None,  # another rank's crashes and faults
-        "stop": setup.stop is not None,  # counts over every peer, at an instant
-    }
-    for key, used in whole.items():
-        if used:
-            raise ConfigError(
-                "--shard-events",
-                f"a {key}: section reads every rank's peers at each instant: use --shard",
-            )
-    lookahead(setup.topology, Ranks(0, ranks))
+    if setup.stop is not None:  # counts over every peer, at an instant
+        raise ConfigError(
+            "--shard-events",
+            "a stop: section reads every rank's peers at each instant: use --shard",
+        )
+    lookahead(setup.topology, Ranks(0, ranks), setup.network)
 
 
 def _check_memory(setup: Setup, ranks: int, shard: bool) -> None:

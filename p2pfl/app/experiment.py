@@ -291,7 +291,7 @@ def _simulate(
         ranks.agree(_fingerprint(setup.config) + setup.data.counts.tobytes() + sharded)
         ranks.take_gpu(setup.devices)
         if ranks.events:  # each rank runs its own peers, like one process of fewer peers
-            windows = Windows(ranks, setup.topology)
+            windows = Windows(ranks, setup.topology, setup.network)
         elif ranks.sharded:
             shards = Shards(ranks, setup.topology.num_peers)
     ledger = Ledger(out / "comm.csv", fates=setup.network is not None)

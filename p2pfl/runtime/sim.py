@@ -60,6 +60,32 @@ runs (its third threshold multiplied): 10⁴ DFedAvgM peers spent 0.9 s collecti
 2.4-2.8 s, at the same peak memory."""
 
 
+def _summed(counts: list[dict[str, int]]) -> dict[str, int] | None:
+    """Counts by fate added up; ``None`` for none."""
+    if not counts:
+        return None
+    out: dict[str, int] = {}
+    for c in counts:
+        for fate, k in c.items():
+            out[fate] = out.get(fate, 0) + k
+    return out
+
+
+def _why(fates: dict[str, int] | None) -> str:
+    """Why a network that misbehaves may have left nodes waiting: a wait without a deadline
+    lasts until every message it counts on comes, and some never will (``fates``: what
+    became of the messages to such waits, as :meth:`SimRuntime._fates` counts them)."""
+    if fates is None:
+        return ""
+    told = ", ".join(f"{k} {fate}" for fate, k in sorted(fates.items())) or "none"
+    return (
+        " (with a network: section a wait without a deadline can last for ever: a message "
+        "lost, sent while its receiver was offline, or never sent by a peer that took its "
+        f"receiver for offline; undelivered to the waiting, over the run: {told}; give the "
+        "algorithm its deadline, e.g. wait_s or deadline_s)"
+    )
+
+
 class SimRuntime(Interpreter):
     """Runs one behaviour per node on a SimPy clock with the topology's link model."""
 
@@ -116,7 +142,10 @@ class SimRuntime(Interpreter):
     def run(self, behaviours: dict[int, Behaviour]) -> dict[int, Finish]:
         """Drive every node's behaviour to its end; return each node's ``Finish``
         (``--shard-events``: ``behaviours`` and the result hold this rank's nodes)."""
-        order = {n: i for i, n in enumerate(self.topology.graph.nodes)}
+        order, roots = {}, 0  # where each node's events start among the set-up ones
+        for n in self.topology.graph.nodes:
+            order[n] = roots
+            roots += 2 if self.network and n in self.network.crash_at else 1  # its crash time
         for node, gen in behaviours.items():
             if self.windows is not None:  # numbered among every rank's, as in one process
                 self.windows.env.children = order[node]
@@ -159,11 +188,14 @@ class SimRuntime(Interpreter):
             self.stopped_finals(sorted(set(behaviours) - self.gone))
         stuck = sorted(set(behaviours) - set(self.finals) - self.gone)
         waits = [f"{self.topology.name(n)} waits for {self._describe(n)}" for n in stuck]
+        fates = self._fates(stuck)
         if self.windows is not None:  # every rank's, in rank order (each rank's in node order)
             self.end = self.windows.maximum(self.end)
-            waits = [w for ws in self.windows.gather(waits) for w in ws]
+            told = self.windows.gather([waits, fates])
+            waits = [w for ws, _ in told for w in ws]
+            fates = _summed([f for _, f in told if f is not None])
         if waits:  # the caller adds the time
-            raise RunError(f"deadlock: {'; '.join(waits)}{self._why(stuck)}")
+            raise RunError(f"deadlock: {'; '.join(waits)}{_why(fates)}")
         return self.finals
 
     def _run_windows(self) -> None:
@@ -172,18 +204,17 @@ class SimRuntime(Interpreter):
         all (as one process does), until none is left."""
         assert self.windows is not None
         windows = self.windows
-        windows.advance(self._quiet, self._arrive)
+        last, children = windows.advance(self._quiet, self._arrive)
         for _ in range(10 * self.topology.graph.number_of_nodes()):  # bounded, as run's
             mine = [(*self.began[n], n) for n, r in self.waiting.items() if r.deadline == math.inf]
             listeners = windows.listeners(mine)
             if not listeners:
                 return
-            last, children = windows.last()
             for i, n in enumerate(listeners):
                 if windows.mine(n):
                     windows.env.after(last, children + i)
                     self.wakeup[n].succeed()
-            windows.advance(self._quiet, self._arrive)
+            last, children = windows.advance(self._quiet, self._arrive)
 
     def _quiet(self) -> bool:
         """Whether nothing else can happen here: every running node listens "until the
@@ -276,23 +307,13 @@ class SimRuntime(Interpreter):
 
         return crash
 
-    def _why(self, stuck: list[int]) -> str:
-        """Why a network that misbehaves may have left them waiting: a wait without a
-        deadline lasts until every message it counts on comes, and some never will."""
+    def _fates(self, stuck: list[int]) -> dict[str, int] | None:
+        """With a ``network:`` section, what became of the messages to those of ``stuck``
+        that wait without a deadline (undelivered, by fate); ``None`` when none does."""
         blind = [n for n in stuck if n in self.waiting and self.waiting[n].deadline is None]
         if self.network is None or not blind:
-            return ""
-        fates: dict[str, int] = {}
-        for n in blind:
-            for fate, k in self.dropped.get(n, {}).items():
-                fates[fate] = fates.get(fate, 0) + k
-        told = ", ".join(f"{k} {fate}" for fate, k in sorted(fates.items())) or "none"
-        return (
-            " (with a network: section a wait without a deadline can last for ever: a message "
-            "lost, sent while its receiver was offline, or never sent by a peer that took its "
-            f"receiver for offline; undelivered to the waiting, over the run: {told}; give the "
-            "algorithm its deadline, e.g. wait_s or deadline_s)"
-        )
+            return None
+        return _summed([self.dropped.get(n, {}) for n in blind])
 
     def _describe(self, node: int) -> str:
         recv = self.waiting.get(node)

@@ -31,8 +31,10 @@ A rank trains and scores only its own peers, as one process of fewer peers would
 sent to rank 0; the run's model otherwise is the mean of every peer's, summed from rank to
 rank as ``--shard`` sums it.
 
-What it refuses, before anything runs (``p2pfl run``): a ``network:`` section (another
-rank's crashes, churn and faults decide what a message meets), ``stop:`` and
+A ``network:`` section needs nothing more: churn and link faults draw from streams per peer
+(a sender's rank draws whether a message is lost, which travels with it), crash times and
+redrawn graphs from the seed, so the rank of a message's receiver decides its fate as one
+process would. What it refuses, before anything runs (``p2pfl run``): ``stop:`` and
 ``eval.every_s`` (counts and models over every peer at an instant), ``eval.matching``, and
 a link between two ranks' peers without latency (no lookahead).
 """
@@ -56,6 +58,7 @@ from simpy.events import NORMAL
 from p2pfl.core.errors import ConfigError
 from p2pfl.learning.state import State, ghost
 from p2pfl.methods.effects import Finish
+from p2pfl.network.dynamics import Network
 from p2pfl.network.ledger import Ledger
 from p2pfl.network.message import Message
 from p2pfl.network.topology import Topology
@@ -96,7 +99,7 @@ class KeyedEnvironment(simpy.Environment):
         super().__init__()
         self.active: Key = ROOT  # the event being processed, or processed last
         self.children = 0  # events scheduled since it was taken
-        self.live: tuple[Key, int] = (ROOT, 0)  # the last that was not an idle timer
+        self.live: tuple[Key, int] = (ROOT, 0)  # the latest that was not an idle timer
         self.idle_step = False
         # SimPy's own queue, of (time, priority, key, event) instead of a counter's value
         self.queue: list[tuple[float, int, Key, simpy.Event]] = cast(Any, self._queue)
@@ -134,7 +137,7 @@ class KeyedEnvironment(simpy.Environment):
         callbacks, event.callbacks = event.callbacks, None  # type: ignore[assignment]
         for callback in callbacks:
             callback(event)
-        if not self.idle_step:
+        if not self.idle_step and key > self.live[0]:  # a crash put off ends earlier
             self.live = (key, self.children)
         if not event._ok and not hasattr(event, "_defused"):
             exc = type(event._value)(*event._value.args)
@@ -160,12 +163,15 @@ def _arrival(arrive: Callable[[InFlight], None], item: InFlight, _: simpy.Event)
     arrive(item)
 
 
-def lookahead(topology: Topology, ranks: Ranks) -> float:
-    """The smallest latency of a link between peers of two ranks: the windows' length."""
+def lookahead(topology: Topology, ranks: Ranks, network: Network | None = None) -> float:
+    """The smallest latency of a link between peers of two ranks: the windows' length (a
+    graph that changes may link any two peers, by its default link)."""
     owner = lambda n: ranks.owner(n, topology.num_peers)  # noqa: E731
     crossing = [
         topology.link(u, v).latency_s for u, v in topology.graph.edges if owner(u) != owner(v)
     ]
+    if network is not None and network.changes_graph:
+        crossing.append(topology.default_link.latency_s)
     least = min(crossing, default=math.inf)
     if least <= 0:
         raise ConfigError(
@@ -180,11 +186,12 @@ class Windows:
     """The ranks' windows: which rank runs each node, the messages that cross between them,
     and the rows rank 0 writes in key order."""
 
-    def __init__(self, ranks: Ranks, topology: Topology) -> None:
+    def __init__(self, ranks: Ranks, topology: Topology, network: Network | None) -> None:
         self.ranks = ranks
         self.rank, self.world = ranks.rank, ranks.world
         self.topology = topology
-        self.lookahead = lookahead(topology, ranks)
+        self.link = topology.link if network is None else network.link
+        self.lookahead = lookahead(topology, ranks, network)
         self.env = KeyedEnvironment()
         self.outbox: list[list[tuple[Key, InFlight]]] = [[] for _ in range(self.world)]
         self.rows: list[tuple[Key, int, int, tuple[Any, ...]]] = []  # key, seq, file, row
@@ -215,18 +222,31 @@ class Windows:
         return keep
 
     # -- the window loop -------------------------------------------------------------------
-    def advance(self, quiet: Callable[[], bool], arrive: Callable[[InFlight], None]) -> None:
-        """Run windows until every rank is quiet and no message is on its way."""
+    def advance(
+        self, quiet: Callable[[], bool], arrive: Callable[[InFlight], None]
+    ) -> tuple[Key, int]:
+        """Run windows until every rank is quiet and no message is on its way; return the
+        last event of all that was not an idle timer, and its children so far.
+
+        One process stops at the first instant every node listens "until the end" with
+        only idle timers left: it takes an idle timer (a listener's crash time) only while
+        some node still has something to do. So a rank whose nodes all listen puts its
+        timers off until it knows: until a message comes, or until the run's end, when it
+        takes those before the last event of all."""
         env, queue = self.env, self.env.queue
         while True:
             mine = math.inf if quiet() or not queue else queue[0][0]
             start = self._min(mine)
             if start == math.inf:
-                return
+                break
             horizon = start + self.lookahead
-            while queue and queue[0][0] < horizon:
+            while queue and queue[0][0] < horizon and not quiet():
                 env.step()
             self._exchange(arrive)
+        last, children = self.last()
+        while queue and queue[0][2] < last:
+            env.step()
+        return last, children
 
     def finals(self, mine: dict[int, Finish], layout: State) -> dict[int, Finish]:
         """Every node's ``Finish``: this rank's, and a ghost of each other rank's (its
@@ -252,7 +272,7 @@ class Windows:
         return dict(sorted(out.items()))
 
     def last(self) -> tuple[Key, int]:
-        """The last event that was not an idle timer, over all ranks, and its children."""
+        """The latest event that was not an idle timer, over all ranks, and its children."""
         key, children = self.env.live
         best = (ROOT, 0)
         for f, c in self.gather([flat(key), children]):
@@ -317,12 +337,12 @@ class Windows:
 
     def _pack_messages(self, r: int) -> bytes:
         """The messages for rank ``r``'s peers: a count, then each as a JSON head (its
-        arrival's key, size, send time) and its frame."""
+        arrival's key, size, send time, whether its link loses it) and its frame."""
         if r == self.rank:
             return b""
         parts: list[bytes | bytearray] = [struct.pack("<Q", len(self.outbox[r]))]
         for key, item in self.outbox[r]:
-            head = json.dumps([flat(key), item.size, item.sent]).encode()
+            head = json.dumps([flat(key), item.size, item.sent, item.lost]).encode()
             frame = encode(item.msg)
             parts += [struct.pack("<QQ", len(head), len(frame)), head, frame]
         self.outbox[r] = []
@@ -335,12 +355,11 @@ class Windows:
         for _ in range(count):
             n_head, n_frame = struct.unpack_from("<QQ", data, offset)
             offset += 16
-            key, size, sent = json.loads(bytes(data[offset : offset + n_head]))
+            key, size, sent, lost = json.loads(bytes(data[offset : offset + n_head]))
             offset += n_head
             msg: Message = decode(bytearray(data[offset : offset + n_frame]))
             offset += n_frame
-            link = self.topology.link(msg.src, msg.dst)
-            item = InFlight(msg, size, sent, link, False, 0.0)
+            item = InFlight(msg, size, sent, self.link(msg.src, msg.dst), lost, 0.0)
             self.env.insert(unflat(key), functools.partial(_arrival, arrive, item))
         return offset
 
