@@ -15,8 +15,8 @@ end, between two events), and ``i`` the number of events scheduled since ``p`` w
 before ``e``; an event scheduled at set-up, before any is processed, is ``(time, priority,
 (), its index among those)``. A rank
 can compute that key for its own events, given the keys that come with the messages it
-receives, so the tie order is not what stands in the way (docs/performance.md, "A
-population sharded across ranks"). It also measures what such a scheme would synchronize:
+receives: ``--shard-events`` (``p2pfl/runtime/windows.py``) orders each rank's events so
+(docs/performance.md, "Sharding the events"). It also measures what such a scheme would synchronize:
 its windows, the events pending at each window's start (keys to rename there, so that they
 stay short), the longest causal chain, and the messages between peers of different ranks.
 

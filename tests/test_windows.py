@@ -277,3 +277,47 @@ def test_a_listeners_crash_counts_only_while_another_rank_is_busy(tmp_path):
     rows = [line.split(",") for line in one["metrics.csv"].decode().splitlines()[1:]]
     assert sorted(row[2] for row in rows if row[3] == "woke") == ["0", "2", "3"]
     assert outputs(tmp_path / "three") == one
+
+
+STUCK = '''
+from dataclasses import dataclass
+
+from p2pfl.api import METHODS, Finish, Method, Recv
+
+
+@METHODS.register("stuck")
+@dataclass(kw_only=True, eq=False)
+class Stuck(Method):
+    """Peers 1 and 5 wait, without a deadline, for a message nobody sends."""
+
+    serverless = True
+
+    def total_rounds(self, num_peers):
+        return 1
+
+    def behaviour(self, ctx):
+        state = ctx.init_state()
+        if ctx.node in (1, 5):
+            yield Recv(kinds=("model",), count=1)
+        yield Finish(state)
+'''
+
+
+def test_a_deadlock_names_every_ranks_waiting_nodes(tmp_path, capfd):
+    """Peers 1 and 5 (ranks 0 and 2 of 3) wait for ever: one error line names both, as one
+    process names them (exit 1)."""
+    (tmp_path / "stuck.py").write_text(STUCK)
+    exp = exp_file(
+        tmp_path,
+        plugins=[str(tmp_path / "stuck.py")],
+        topology={"kind": "ring"},
+        peers={"count": 6},
+        algorithm={"name": "stuck"},
+    )
+    lines = []
+    for out, options in (("one", ()), ("three", ("--shard-events",))):
+        assert spread(exp, tmp_path / out, 1 if out == "one" else 3, *options) == 1
+        lines.append(capfd.readouterr().err.strip().splitlines()[-1])
+    assert lines[0].startswith("error: run failed: at t=0.000s: deadlock: 1 waits for ")
+    assert "; 5 waits for " in lines[0]
+    assert lines[1] == lines[0]
