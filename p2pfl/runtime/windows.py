@@ -253,13 +253,14 @@ class Windows:
         model's layout, no bytes), as a sharded run's results expect; an ``output`` model
         (the run's result: a chain's last peer) travels to rank 0, which scores it."""
         told = self.gather([[n, f.state is not None, f.output] for n, f in mine.items()])
+        shape = ghost(layout)  # one for all: a ghost holds no bytes, and nothing writes it
         out: dict[int, Finish] = {}
         for rank, finishes in enumerate(told):
             for node, held, output in finishes:
                 if rank == self.rank:
                     out[node] = mine[node]
                 else:
-                    out[node] = Finish(ghost(layout) if held else None, output)
+                    out[node] = Finish(shape if held else None, output)
         results = [
             Message("model", n, 0, 0, f.state, {})
             for n, f in sorted(mine.items())
