@@ -15,7 +15,7 @@ from test_shards import ADPSGD, CHURN, GOSSIP, STAR
 import p2pfl.runtime.sim as sim
 from conftest import DEVICE
 from p2pfl.app.cli import main
-from p2pfl.runtime.windows import KeyedEnvironment, flat, unflat
+from p2pfl.runtime.windows import KeyedEnvironment, flat, order, unflat
 
 FAULTS = {  # a crash, churn, lost and late messages: each decided where a rank can
     "topology": {"kind": "random_regular", "d": 4},
@@ -71,6 +71,24 @@ def _order(env: simpy.Environment, seed: int) -> list[tuple[int, int]]:
 @pytest.mark.parametrize("seed", range(5))
 def test_the_keyed_environment_processes_events_in_simpys_order(seed):
     assert _order(KeyedEnvironment(), seed) == _order(simpy.Environment(), seed)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_keys_numbers_sort_as_the_key(seed):
+    """Rank 0 sorts other ranks' rows by :func:`order`, flat numbers: the order of the keys
+    themselves, on events that mostly share their instant."""
+    env = KeyedEnvironment()
+    keys: list[Any] = []
+    step = env.step
+
+    def record():
+        step()
+        keys.append(env.active)
+
+    env.step = record  # type: ignore[method-assign]
+    _order(env, seed)
+    random.Random(seed).shuffle(keys)
+    assert len(keys) > 50 and sorted(keys, key=order) == sorted(keys)
 
 
 def test_a_key_survives_its_numbers():

@@ -43,9 +43,11 @@ from __future__ import annotations
 
 import functools
 import heapq
+import itertools
 import json
 import math
 import struct
+from array import array
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -89,6 +91,19 @@ def unflat(numbers: list[float]) -> Key:
     for i in range(len(numbers) - 3, -1, -3):
         key = (numbers[i], int(numbers[i + 1]), key, int(numbers[i + 2]))
     return key
+
+
+def order(key: Key) -> list[float]:
+    """``key`` as numbers that sort as the key does (a key compares its time, priority,
+    parent, then index): the times and priorities from the event up to its first ancestor,
+    a mark below every time, then the indices from the first ancestor down."""
+    head: list[float] = []
+    tail: list[float] = []
+    while key:
+        head += (key[0], key[1])
+        tail.append(key[3])
+        key = key[2]
+    return [*head, -math.inf, *reversed(tail)]
 
 
 class KeyedEnvironment(simpy.Environment):
@@ -326,14 +341,14 @@ class Windows:
         out = [self._pack_messages(r) for r in range(self.world)]
         out[0] = out[0] + self._pack_rows() if self.rank else out[0]
         got = self._swap(out)
-        rows = self._take_rows() if self.rank == 0 else []
+        rows = [(order(k) + [s], w, r) for k, s, w, r in self._take_rows()] if not self.rank else []
         for r, data in enumerate(got):
             offset = self._unpack_messages(data, arrive)
             if self.rank == 0 and r:
                 rows += self._unpack_rows(data[offset:])
         if self.rank == 0:
-            rows.sort(key=lambda row: (row[0], row[1]))
-            for _, _, which, row in rows:
+            rows.sort(key=lambda row: row[0])
+            for _, which, row in rows:
                 self.writers[which](*row)
 
     def _pack_messages(self, r: int) -> bytes:
@@ -365,17 +380,32 @@ class Windows:
         return offset
 
     def _pack_rows(self) -> bytes:
+        """This rank's rows for rank 0: their count, the length of each one's :func:`order`
+        (and its place among its event's rows), those numbers, then the rows as JSON."""
         rows = self._take_rows()
-        return json.dumps([[flat(k), s, w, r] for k, s, w, r in rows]).encode()
+        orders = [order(k) + [s] for k, s, _, _ in rows]
+        lengths = array("q", map(len, orders))
+        numbers = array("d", itertools.chain.from_iterable(orders))
+        body = json.dumps([[w, r] for _, _, w, r in rows], separators=(",", ":")).encode()
+        return struct.pack("<Q", len(rows)) + lengths.tobytes() + numbers.tobytes() + body
 
     def _take_rows(self) -> list[tuple[Key, int, int, tuple[Any, ...]]]:
         rows, self.rows = self.rows, []
         return rows
 
-    def _unpack_rows(self, data: memoryview) -> list[tuple[Key, int, int, tuple[Any, ...]]]:
+    def _unpack_rows(self, data: memoryview) -> list[tuple[list[float], int, tuple[Any, ...]]]:
         if not len(data):
             return []
-        return [(unflat(k), s, w, tuple(r)) for k, s, w, r in json.loads(bytes(data))]
+        (count,) = struct.unpack_from("<Q", data)
+        lengths = array("q", bytes(data[8 : 8 + 8 * count]))
+        start = 8 + 8 * count
+        numbers = array("d", bytes(data[start : start + 8 * sum(lengths)]))
+        body = json.loads(bytes(data[start + 8 * sum(lengths) :]))
+        out, i = [], 0
+        for length, (which, row) in zip(lengths, body, strict=True):
+            out.append((numbers[i : i + length].tolist(), which, tuple(row)))
+            i += length
+        return out
 
     def _swap(self, out: list[bytes]) -> list[memoryview]:
         """Send ``out[r]`` to each rank ``r``; what each rank sent here, in rank order."""
