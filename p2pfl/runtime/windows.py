@@ -212,7 +212,7 @@ class Windows:
         self.rows: list[tuple[Key, int, int, tuple[Any, ...]]] = []  # key, seq, file, row
         self._row_key: Key | None = None
         self._seq = 0
-        self.writers: list[Callable[..., None]] = []  # rank 0's: comm.csv, metrics.csv
+        self.writers: list[Callable[..., None]] = []  # what rank 0 writes the rows with
 
     def owner(self, node: int) -> int:
         return self.ranks.owner(node, self.topology.num_peers)
@@ -222,8 +222,9 @@ class Windows:
 
     # -- rows, written by rank 0 in key order ----------------------------------------------
     def writer(self, write: Callable[..., None]) -> Callable[..., None]:
-        """A stand-in for ``write`` (``Ledger.record``, ``Reporter.log``) that keeps each
-        row with the key of the event that wrote it; rank 0 calls ``write`` in key order."""
+        """A stand-in for ``write`` (``Ledger.record``, ``Reporter.log``, a worker's
+        baseline or artifact) that keeps each row with the key of the event that wrote it;
+        rank 0 calls ``write`` in key order. Every rank asks for its writers in one order."""
         which = len(self.writers)
         self.writers.append(write)
 
