@@ -76,23 +76,6 @@ ROOT: Key = ()
 """The parent of the events scheduled at set-up."""
 
 
-def flat(key: Key) -> list[float]:
-    """``key`` as numbers, ``(time, priority, index)`` from the event to its first ancestor."""
-    out: list[float] = []
-    while key:
-        out += (key[0], key[1], key[3])
-        key = key[2]
-    return out
-
-
-def unflat(numbers: list[float]) -> Key:
-    """The key that :func:`flat` gave ``numbers`` for."""
-    key: Key = ROOT
-    for i in range(len(numbers) - 3, -1, -3):
-        key = (numbers[i], int(numbers[i + 1]), key, int(numbers[i + 2]))
-    return key
-
-
 def order(key: Key) -> list[float]:
     """``key`` as numbers that sort as the key does (a key compares its time, priority,
     parent, then index): the times and priorities from the event up to its first ancestor,
@@ -104,6 +87,16 @@ def order(key: Key) -> list[float]:
         tail.append(key[3])
         key = key[2]
     return [*head, -math.inf, *reversed(tail)]
+
+
+def key_of(numbers: list[float]) -> Key:
+    """The key that :func:`order` gave ``numbers`` for (a message's arrival, received)."""
+    mark = numbers.index(-math.inf)
+    key: Key = ROOT
+    for level, index in enumerate(numbers[mark + 1 :]):
+        at = mark - 2 - 2 * level
+        key = (numbers[at], int(numbers[at + 1]), key, int(index))
+    return key
 
 
 class KeyedEnvironment(simpy.Environment):
@@ -252,7 +245,7 @@ class Windows:
         env, queue = self.env, self.env.queue
         while True:
             mine = math.inf if quiet() or not queue else queue[0][0]
-            start = self._min(mine)
+            start = self._reduced(mine, dist.ReduceOp.MIN)
             if start == math.inf:
                 break
             horizon = start + self.lookahead
@@ -291,34 +284,24 @@ class Windows:
     def last(self) -> tuple[Key, int]:
         """The latest event that was not an idle timer, over all ranks, and its children."""
         key, children = self.env.live
-        best = (ROOT, 0)
-        for f, c in self.gather([flat(key), children]):
-            k = unflat(f)
-            if k > best[0]:
-                best = (k, c)
-        return best
+        latest, most = max(self.gather([order(key), children]))
+        return key_of(latest), most
 
     def listeners(self, mine: list[tuple[Key, int, int]]) -> list[int]:
         """Every rank's nodes listening "until the end", in the order they began to wait:
         ``mine`` holds this rank's, each as (the key of the event it began in, its place
         among the waits that event began, node)."""
-        everyone = [
-            (unflat(f), seq, node)
-            for rows in self.gather([[flat(k), s, n] for k, s, n in mine])
-            for f, seq, node in rows
-        ]
-        return [node for _, _, node in sorted(everyone, key=lambda w: (w[0], w[1]))]
-
-    def _min(self, value: float) -> float:
-        t = torch.tensor([value], dtype=torch.float64)
-        with self.ranks.together():
-            dist.all_reduce(t, op=dist.ReduceOp.MIN)
-        return float(t.item())
+        told = self.gather([[order(k), s, n] for k, s, n in mine])
+        return [node for _, _, node in sorted(w for rows in told for w in rows)]
 
     def maximum(self, value: float) -> float:
+        """The largest ``value`` of every rank's."""
+        return self._reduced(value, dist.ReduceOp.MAX)
+
+    def _reduced(self, value: float, op: dist.ReduceOp.RedOpType) -> float:
         t = torch.tensor([value], dtype=torch.float64)
         with self.ranks.together():
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            dist.all_reduce(t, op=op)
         return float(t.item())
 
     def gather(self, value: Any) -> list[Any]:
@@ -359,7 +342,7 @@ class Windows:
             return b""
         parts: list[bytes | bytearray] = [struct.pack("<Q", len(self.outbox[r]))]
         for key, item in self.outbox[r]:
-            head = json.dumps([flat(key), item.size, item.sent, item.lost]).encode()
+            head = json.dumps([order(key), item.size, item.sent, item.lost]).encode()
             frame = encode(item.msg)
             parts += [struct.pack("<QQ", len(head), len(frame)), head, frame]
         self.outbox[r] = []
@@ -377,7 +360,7 @@ class Windows:
             msg: Message = decode(bytearray(data[offset : offset + n_frame]))
             offset += n_frame
             item = InFlight(msg, size, sent, self.link(msg.src, msg.dst), lost, 0.0)
-            self.env.insert(unflat(key), functools.partial(_arrival, arrive, item))
+            self.env.insert(key_of(key), functools.partial(_arrival, arrive, item))
         return offset
 
     def _pack_rows(self) -> bytes:
