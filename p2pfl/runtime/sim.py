@@ -142,13 +142,10 @@ class SimRuntime(Interpreter):
     def run(self, behaviours: dict[int, Behaviour]) -> dict[int, Finish]:
         """Drive every node's behaviour to its end; return each node's ``Finish``
         (``--shard-events``: ``behaviours`` and the result hold this rank's nodes)."""
-        order, roots = {}, 0  # where each node's events start among the set-up ones
-        for n in self.topology.graph.nodes:
-            order[n] = roots
-            roots += 2 if self.network and n in self.network.crash_at else 1  # its crash time
+        first = self._first_events() if self.windows is not None else {}
         for node, gen in behaviours.items():
             if self.windows is not None:  # numbered among every rank's, as in one process
-                self.windows.env.children = order[node]
+                self.windows.env.children = first[node]
             process = self.env.process(self._drive(node, gen))
             crash = self.network.crash_at.get(node) if self.network else None
             if crash is not None:
@@ -198,6 +195,15 @@ class SimRuntime(Interpreter):
             raise RunError(f"deadlock: {'; '.join(waits)}{_why(fates)}")
         return self.finals
 
+    def _first_events(self) -> dict[int, int]:
+        """Where each node's events start among those one process schedules at set-up: its
+        start, then its crash time if it has one, node after node."""
+        first, roots = {}, 0
+        for n in self.topology.graph.nodes:
+            first[n] = roots
+            roots += 2 if self.network and n in self.network.crash_at else 1
+        return first
+
     def _run_windows(self) -> None:
         """``--shard-events``: run the windows until every rank is quiet, then wake the
         listeners of every rank in the order they began to wait, after the last event of
@@ -226,7 +232,7 @@ class SimRuntime(Interpreter):
         only idle timers are left (run out, they would move the listeners' end to theirs, and
         a crash time after the end would take a listener's final model)."""
         env, queue = self.env, self.env._queue  # SimPy's event heap: its length is all we read
-        while queue and not (self.listening == self.alive and len(queue) == self.inert):
+        while queue and not self._quiet():
             env.step()
             if self.halted:
                 return
