@@ -66,6 +66,16 @@ def spread(exp: Path, out: Path, workers: int, *options: str) -> int:
     return subprocess.run([sys.executable, "-m", "p2pfl", *argv], cwd=ROOT, timeout=300).returncode
 
 
+def same_sharded(exp: Path, tmp_path: Path, flag: str, world: int = 3) -> dict[str, Any]:
+    """The outputs of ``exp`` in one process (``tmp_path/one``), checked equal on ``world``
+    ranks sharded by ``flag`` (``tmp_path/sharded``)."""
+    assert spread(exp, tmp_path / "one", 1) == 0
+    assert spread(exp, tmp_path / "sharded", world, flag) == 0
+    one = outputs(tmp_path / "one")
+    assert outputs(tmp_path / "sharded") == one
+    return one
+
+
 def same_on_1_2_and_4(exp: Path, tmp_path: Path, code: int = 0) -> dict[str, Any]:
     """The outputs of ``exp`` on 1 rank, checked equal on 2 and 4 (each exiting ``code``)."""
     runs = []

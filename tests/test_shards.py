@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 import torch
-from test_ranks import RING, exp_file, outputs, spread
+from test_ranks import RING, exp_file, outputs, same_sharded, spread
 
 import p2pfl.app.experiment as experiment
 import p2pfl.runtime.children as children
@@ -66,10 +66,7 @@ def test_a_sharded_run_writes_the_bytes_of_one_process_on_2_and_4_ranks(tmp_path
 def test_sharded_methods_write_the_bytes_of_one_process(tmp_path, sections):
     if sections["peers"].get("batched") and DEVICE["name"] != "cpu":
         pytest.skip("batched groups are divided among ranks on a CPU only (refused: below)")
-    exp = exp_file(tmp_path, **sections)
-    assert spread(exp, tmp_path / "one", 1) == 0
-    assert spread(exp, tmp_path / "three", 3, "--shard") == 0
-    assert outputs(tmp_path / "three") == outputs(tmp_path / "one")
+    same_sharded(exp_file(tmp_path, **sections), tmp_path, "--shard")
 
 
 def test_each_rank_holds_only_its_own_peers_models(tmp_path, monkeypatch):
@@ -225,10 +222,7 @@ def test_each_rank_trains_its_next_chunk_of_a_cohort_at_once(tmp_path, monkeypat
     if torch.cuda.device_count():
         pytest.skip("on a GPU host the ranks run in fresh processes, without the patch")
     monkeypatch.setattr(train_batcher, "CHUNK", 2)
-    exp = exp_file(tmp_path, **GOSSIP)
-    assert spread(exp, tmp_path / "one", 1) == 0
-    assert spread(exp, tmp_path / "three", 3, "--shard") == 0
-    assert outputs(tmp_path / "three") == outputs(tmp_path / "one")
+    same_sharded(exp_file(tmp_path, **GOSSIP), tmp_path, "--shard")
 
 
 @pytest.mark.parametrize("command", ["run", "peer"])

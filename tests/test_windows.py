@@ -5,11 +5,12 @@ outputs are the bytes of one process (:mod:`p2pfl.runtime.windows`)."""
 from __future__ import annotations
 
 import random
+from pathlib import Path
 from typing import Any
 
 import pytest
 import simpy
-from test_ranks import RING, exp_file, outputs, spread
+from test_ranks import RING, exp_file, same_sharded, spread
 from test_shards import ADPSGD, CHURN, GOSSIP, STAR
 
 import p2pfl.runtime.sim as sim
@@ -107,11 +108,7 @@ def test_a_key_survives_its_numbers():
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_events_sharded_write_the_bytes_of_one_process(tmp_path, world):
-    exp = exp_file(tmp_path, **RING)
-    assert spread(exp, tmp_path / "one", 1) == 0
-    assert spread(exp, tmp_path / "many", world, "--shard-events") == 0
-    one = outputs(tmp_path / "one")
-    assert outputs(tmp_path / "many") == one
+    one = same_sharded(exp_file(tmp_path, **RING), tmp_path, "--shard-events", world)
     assert all(p["accuracy"] is not None for p in one["summary"]["per_peer"])
 
 
@@ -126,10 +123,7 @@ def test_events_sharded_write_the_bytes_of_one_process(tmp_path, world):
 def test_methods_with_events_sharded_write_the_bytes_of_one_process(tmp_path, sections):
     if sections["peers"].get("batched") and DEVICE["name"] != "cpu":
         pytest.skip("batched groups are divided among ranks on a CPU only")
-    exp = exp_file(tmp_path, **sections)
-    assert spread(exp, tmp_path / "one", 1) == 0
-    assert spread(exp, tmp_path / "three", 3, "--shard-events") == 0
-    assert outputs(tmp_path / "three") == outputs(tmp_path / "one")
+    same_sharded(exp_file(tmp_path, **sections), tmp_path, "--shard-events")
 
 
 def test_each_rank_runs_only_its_own_peers(tmp_path, monkeypatch):
@@ -155,12 +149,9 @@ def test_each_rank_runs_only_its_own_peers(tmp_path, monkeypatch):
     monkeypatch.setattr(sim.SimRuntime, "run", spy)
     monkeypatch.setattr(simpy.Environment, "step", counted("one", step))
     monkeypatch.setattr(KeyedEnvironment, "step", counted("rank 0", keyed))
-    exp = exp_file(tmp_path, **RING)
-    assert spread(exp, tmp_path / "one", 1) == 0
-    assert spread(exp, tmp_path / "three", 3, "--shard-events") == 0
+    same_sharded(exp_file(tmp_path, **RING), tmp_path, "--shard-events")
     assert ran == [[0, 1, 2, 3, 4, 5], [0, 1]]
     assert 0 < steps["rank 0"] < steps["one"] / 2  # its peers' events, and their arrivals
-    assert outputs(tmp_path / "three") == outputs(tmp_path / "one")
 
 
 BAD = [
@@ -184,6 +175,22 @@ def test_what_a_rank_cannot_decide_alone_is_one_error_line(tmp_path, capsys, sec
     err = capsys.readouterr().err
     assert code == 2 and err.startswith(f"error: {message}") and len(err.splitlines()) == 1, err
     assert not out.exists()
+
+
+def plugin_ring(tmp_path: Path, method: str, source: str, **sections: Any) -> Path:
+    """An experiment running ``method``, registered by the plug-in ``source``, on a ring of
+    six peers (two per rank on three ranks)."""
+    plugin = tmp_path / f"{method}.py"
+    plugin.write_text(source)
+    return exp_file(
+        tmp_path, plugins=[str(plugin)], topology={"kind": "ring"}, peers={"count": 6},
+        algorithm={"name": method}, **sections,
+    )  # fmt: skip
+
+
+def _rows(run: dict[str, Any]) -> list[list[str]]:
+    """A run's ``metrics.csv`` rows, split (time, round, peer, metric, value)."""
+    return [line.split(",") for line in run["metrics.csv"].decode().splitlines()[1:]]
 
 
 LISTENERS = '''
@@ -225,24 +232,13 @@ def test_listeners_of_every_rank_wake_in_the_order_they_began_to_wait(tmp_path):
     them, in the order they began to wait (not by node, nor rank by rank): the rows they
     write then come out in that order, and rank 0 writes another rank's baselines and
     matrices as one process does."""
-    (tmp_path / "listeners.py").write_text(LISTENERS)
-    exp = exp_file(
-        tmp_path,
-        plugins=[str(tmp_path / "listeners.py")],
-        topology={"kind": "ring"},
-        peers={"count": 6},
-        algorithm={"name": "late_listeners"},
-    )
-    assert spread(exp, tmp_path / "one", 1) == 0
-    assert spread(exp, tmp_path / "three", 3, "--shard-events") == 0
-    one = outputs(tmp_path / "one")
-    rows = [line.split(",") for line in one["metrics.csv"].decode().splitlines()[1:]]
-    woke = [row[2] for row in rows if row[3] == "woke"]
+    exp = plugin_ring(tmp_path, "late_listeners", LISTENERS)
+    one = same_sharded(exp, tmp_path, "--shard-events")
+    woke = [row[2] for row in _rows(one) if row[3] == "woke"]
     assert woke[2:] == ["3", "5", "4", "2"]  # as they began to wait: not by node, nor rank
-    assert outputs(tmp_path / "three") == one
     assert list(one["summary"]["baselines"]) == ["start5", "start4"]
     for name in ("grid4.csv", "grid4.png", "grid5.csv", "grid5.png"):
-        assert (tmp_path / "three" / name).read_bytes() == (tmp_path / "one" / name).read_bytes()
+        assert (tmp_path / "sharded" / name).read_bytes() == (tmp_path / "one" / name).read_bytes()
 
 
 LATE_CRASH = '''
@@ -280,21 +276,10 @@ def test_a_listeners_crash_counts_only_while_another_rank_is_busy(tmp_path):
     peer 2 (rank 1) would crash at 0.505 s, after the run's last event but inside its last
     window, and does not. A rank whose nodes all listen puts its crash times off until it
     knows."""
-    (tmp_path / "late_crash.py").write_text(LATE_CRASH)
-    exp = exp_file(
-        tmp_path,
-        plugins=[str(tmp_path / "late_crash.py")],
-        topology={"kind": "ring"},
-        peers={"count": 6},
-        algorithm={"name": "late_crash"},
-        network={"crashes": {"at": {1: 0.2, 2: 0.505}}},
-    )
-    assert spread(exp, tmp_path / "one", 1) == 0
-    assert spread(exp, tmp_path / "three", 3, "--shard-events") == 0
-    one = outputs(tmp_path / "one")
-    rows = [line.split(",") for line in one["metrics.csv"].decode().splitlines()[1:]]
-    assert sorted(row[2] for row in rows if row[3] == "woke") == ["0", "2", "3"]
-    assert outputs(tmp_path / "three") == one
+    network = {"crashes": {"at": {1: 0.2, 2: 0.505}}}
+    exp = plugin_ring(tmp_path, "late_crash", LATE_CRASH, network=network)
+    one = same_sharded(exp, tmp_path, "--shard-events")
+    assert sorted(row[2] for row in _rows(one) if row[3] == "woke") == ["0", "2", "3"]
 
 
 STUCK = '''
@@ -324,14 +309,7 @@ class Stuck(Method):
 def test_a_deadlock_names_every_ranks_waiting_nodes(tmp_path, capfd):
     """Peers 1 and 5 (ranks 0 and 2 of 3) wait for ever: one error line names both, as one
     process names them (exit 1)."""
-    (tmp_path / "stuck.py").write_text(STUCK)
-    exp = exp_file(
-        tmp_path,
-        plugins=[str(tmp_path / "stuck.py")],
-        topology={"kind": "ring"},
-        peers={"count": 6},
-        algorithm={"name": "stuck"},
-    )
+    exp = plugin_ring(tmp_path, "stuck", STUCK)
     lines = []
     for out, options in (("one", ()), ("three", ("--shard-events",))):
         assert spread(exp, tmp_path / out, 1 if out == "one" else 3, *options) == 1
