@@ -351,6 +351,11 @@ def _rank_life(main: Callable[[int], int], r: int, told: int) -> int:
         return 1
 
 
+DEATH_SEEN_S = 10.0
+"""How long rank 0, its exchange failed, waits to learn which rank died: a dead rank's
+connections close before its exit can be seen, by more than 2 s on a lent H200 running the
+suite on CUDA (likely its driver tearing the rank's CUDA context down first)."""
+
 DEATH_GRACE_S = 30.0
 """How long a rank's death waits for rank 0 to end its run itself (writing its summary)
 before rank 0 is ended from outside: it may be stuck in a call that cannot be interrupted."""

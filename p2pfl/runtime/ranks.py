@@ -40,7 +40,7 @@ import torch.distributed as dist
 from p2pfl.core.errors import RunError
 from p2pfl.learning.state import State, ghost, state_bytes
 from p2pfl.learning.training import TrainResult
-from p2pfl.runtime.children import JOIN_ENV, join_timeout
+from p2pfl.runtime.children import DEATH_SEEN_S, JOIN_ENV, join_timeout
 
 _FIGURES = 5
 """Numbers sent beside each trained state: its validation accuracy, samples trained and
@@ -61,7 +61,7 @@ class Ranks:
     local_rank: int = 0  # among this host's ranks: torchrun's LOCAL_RANK, else the rank
     death: Callable[[float], str | None] | None = field(default=None, compare=False)
     """Rank 0 of ``--workers``: the line naming a rank that died, waiting up to the given
-    seconds for it (a dead rank's connections close a moment before its exit is seen)."""
+    seconds for it (a dead rank's connections close before its exit is seen)."""
     sharded: bool = False
     """``--shard``: each rank holds only its own peers' models (:mod:`p2pfl.runtime.shards`)."""
     events: bool = False
@@ -195,7 +195,7 @@ class Ranks:
         try:
             yield
         except RuntimeError as e:  # gloo's errors are RuntimeErrors
-            why = self.death(1.0) if self.death is not None else None
+            why = self.death(DEATH_SEEN_S) if self.death is not None else None
             raise RunError(why or f"rank {self.rank} lost the others ({_reason(e)})") from None
 
     def take_gpu(self, devices: set[torch.device]) -> None:
