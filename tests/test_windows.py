@@ -126,6 +126,71 @@ def test_methods_with_events_sharded_write_the_bytes_of_one_process(tmp_path, se
     same_sharded(exp_file(tmp_path, **sections), tmp_path, "--shard-events")
 
 
+@pytest.mark.parametrize(
+    "sections,by",
+    [
+        (RING | {"stop": {"time_s": 0.015}}, "time_s"),
+        (ADPSGD | {"stop": {"time_s": 0.05}}, "time_s"),
+        (FEDBUFF | {"stop": {"time_s": 0.2}}, "time_s"),
+        (FAULTS | {"stop": {"time_s": 0.06}}, "time_s"),  # a crash before it, one after
+        (RING | {"stop": {"time_s": 100.0}}, "rounds"),  # the rounds end first
+    ],
+    ids=["dfedavgm", "adpsgd", "fedbuff", "crashes-churn", "after-the-end"],
+)
+def test_a_stop_in_time_ends_every_rank_where_one_process_ends(tmp_path, sections, by):
+    """``stop.time_s``: every rank holds the stop's timer; the first to take it ends the
+    run, and each rank takes its own events up to it and keeps what its peers last scored."""
+    one = same_sharded(exp_file(tmp_path, **sections), tmp_path, "--shard-events")
+    assert one["summary"]["stop"]["by"] == by and one["summary"]["stop"]["samples"] > 0
+
+
+QUIET = '''
+import math
+from dataclasses import dataclass
+
+from p2pfl.api import METHODS, Evaluate, Finish, Log, Method, Now, Recv, Wait
+
+
+@METHODS.register("quiet_rank")
+@dataclass(kw_only=True, eq=False)
+class QuietRank(Method):
+    """Peers 4 and 5 (rank 2's of 3) score their first model, then listen "until the end"
+    for a message that never comes; the others log the time every millisecond for 10 ms."""
+
+    serverless = True
+
+    def total_rounds(self, num_peers):
+        return 10
+
+    def behaviour(self, ctx):
+        state = ctx.init_state()
+        if ctx.node >= 4:
+            yield Evaluate(state, 0)
+            yield Recv(kinds=("model",), count=1, deadline=math.inf)
+        else:
+            for r in range(10):
+                yield Wait((r + 1) * 0.001)
+                yield Log(r + 1, "at", (yield Now()))
+        yield Finish(state)
+'''
+
+
+def test_a_quiet_rank_takes_its_timers_up_to_the_stop(tmp_path):
+    """Rank 2's peers only listen, so it puts its timers off; when rank 0 takes the stop
+    at 5.5 ms, rank 2 takes what one process took before it: peer 5's crash at 3.5 ms
+    (peer 5 then has no model; peer 4 keeps the one it scored)."""
+    exp = plugin_ring(
+        tmp_path, "quiet_rank", QUIET,
+        network={"crashes": {"at": {5: 0.0035}}}, stop={"time_s": 0.0055},
+        eval={"every": 1, "per_peer": True},
+    )  # fmt: skip
+    one = same_sharded(exp, tmp_path, "--shard-events")
+    assert one["summary"]["stop"]["by"] == "time_s"
+    scored = [p["peer"] for p in one["summary"]["per_peer"] if p["accuracy"] is not None]
+    assert scored == [4]
+    assert max(float(r[4]) for r in _rows(one) if r[3] == "at") == pytest.approx(0.005)
+
+
 def test_each_rank_runs_only_its_own_peers(tmp_path, monkeypatch):
     """Rank 0 of 3 (this process; the others are forked) runs peers 0 and 1 of six: their
     behaviours, and only the events they cause."""
@@ -155,7 +220,10 @@ def test_each_rank_runs_only_its_own_peers(tmp_path, monkeypatch):
 
 
 BAD = [
-    ({"stop": {"time_s": 0.01}}, "--shard-events: a stop: section reads every rank's peers"),
+    (
+        {"stop": {"samples": 100}},
+        "--shard-events: stop.samples and stop.accuracy read every rank's peers",
+    ),
     (
         {"eval": {"every": 1, "every_s": 0.01}},
         "--shard-events: eval.every_s needs every peer's model in one process",
@@ -167,7 +235,7 @@ BAD = [
 ]
 
 
-@pytest.mark.parametrize("sections,message", BAD, ids=["stop", "every_s", "latency"])
+@pytest.mark.parametrize("sections,message", BAD, ids=["stop-samples", "every_s", "latency"])
 def test_what_a_rank_cannot_decide_alone_is_one_error_line(tmp_path, capsys, sections, message):
     out = tmp_path / "out"
     exp = exp_file(tmp_path, **(RING | sections))

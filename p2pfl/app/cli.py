@@ -624,10 +624,12 @@ def _check_events(setup: Setup, ranks: int) -> None:
     from p2pfl.runtime.ranks import Ranks
     from p2pfl.runtime.windows import lookahead
 
-    if setup.stop is not None:  # counts over every peer, at an instant
-        raise ConfigError(
+    stop = setup.stop
+    if stop is not None and (stop.samples is not None or stop.accuracy is not None):
+        raise ConfigError(  # counts or models over every peer, at an instant
             "--shard-events",
-            "a stop: section reads every rank's peers at each instant: use --shard",
+            "stop.samples and stop.accuracy read every rank's peers at each instant: "
+            "use stop.time_s, or --shard",
         )
     lookahead(setup.topology, Ranks(0, ranks), setup.network)
 

@@ -142,7 +142,7 @@ class SimRuntime(Interpreter):
     def run(self, behaviours: dict[int, Behaviour]) -> dict[int, Finish]:
         """Drive every node's behaviour to its end; return each node's ``Finish``
         (``--shard-events``: ``behaviours`` and the result hold this rank's nodes)."""
-        first = self._first_events() if self.windows is not None else {}
+        first, roots = self._first_events() if self.windows is not None else ({}, 0)
         for node, gen in behaviours.items():
             if self.windows is not None:  # numbered among every rank's, as in one process
                 self.windows.env.children = first[node]
@@ -151,6 +151,8 @@ class SimRuntime(Interpreter):
             if crash is not None:
                 self._idle(self.env.timeout(crash)).callbacks.append(self._crasher(process, node))
         self.alive = len(behaviours)
+        if self.windows is not None:  # after every node's, as in one process
+            self.windows.env.children = roots
         if self.stop is not None and self.stop.time_s is not None:
             timer = self._idle(self.env.timeout(self.stop.time_s))
             timer.callbacks.append(lambda _: self._halt("time_s"))
@@ -183,6 +185,8 @@ class SimRuntime(Interpreter):
             self.done = True
         if self.halted:
             self.stopped_finals(sorted(set(behaviours) - self.gone))
+        if self.windows is not None and self.stop is not None:  # each rank counted its own
+            self.samples = self.windows.total(self.samples)
         stuck = sorted(set(behaviours) - set(self.finals) - self.gone)
         waits = [f"{self.topology.name(n)} waits for {self._describe(n)}" for n in stuck]
         fates = self._fates(stuck)
@@ -195,14 +199,14 @@ class SimRuntime(Interpreter):
             raise RunError(f"deadlock: {'; '.join(waits)}{_why(fates)}")
         return self.finals
 
-    def _first_events(self) -> dict[int, int]:
-        """Where each node's events start among those one process schedules at set-up: its
-        start, then its crash time if it has one, node after node."""
+    def _first_events(self) -> tuple[dict[int, int], int]:
+        """Where each node's events start among those one process schedules at set-up (its
+        start, then its crash time if it has one, node after node), and how many they are."""
         first, roots = {}, 0
         for n in self.topology.graph.nodes:
             first[n] = roots
             roots += 2 if self.network and n in self.network.crash_at else 1
-        return first
+        return first, roots
 
     def _run_windows(self) -> None:
         """``--shard-events``: run the windows until every rank is quiet, then wake the
@@ -210,8 +214,11 @@ class SimRuntime(Interpreter):
         all (as one process does), until none is left."""
         assert self.windows is not None
         windows = self.windows
-        last, children = windows.advance(self._quiet, self._arrive)
+        halted = lambda: self.halted is not None  # noqa: E731
+        last, children = windows.advance(self._quiet, self._arrive, halted)
         for _ in range(10 * self.topology.graph.number_of_nodes()):  # bounded, as run's
+            if self.halted:
+                return
             mine = [(*self.began[n], n) for n, r in self.waiting.items() if r.deadline == math.inf]
             listeners = windows.listeners(mine)
             if not listeners:
@@ -220,7 +227,7 @@ class SimRuntime(Interpreter):
                 if windows.mine(n):
                     windows.env.after(last, children + i)
                     self.wakeup[n].succeed()
-            last, children = windows.advance(self._quiet, self._arrive)
+            last, children = windows.advance(self._quiet, self._arrive, halted)
 
     def _quiet(self) -> bool:
         """Whether nothing else can happen here: every running node listens "until the

@@ -34,9 +34,10 @@ rank as ``--shard`` sums it.
 A ``network:`` section needs nothing more: churn and link faults draw from streams per peer
 (a sender's rank draws whether a message is lost, which travels with it), crash times and
 redrawn graphs from the seed, so the rank of a message's receiver decides its fate as one
-process would. What it refuses, before anything runs (``p2pfl run``): ``stop:`` and
-``eval.every_s`` (counts and models over every peer at an instant), ``eval.matching``, and
-a link between two ranks' peers without latency (no lookahead).
+process would. ``stop.time_s`` is a timer every rank holds with one key (:meth:`Windows.advance`).
+What it refuses, before anything runs (``p2pfl run``): ``stop.samples``, ``stop.accuracy``
+and ``eval.every_s`` (counts and models over every peer at an instant), ``eval.matching``,
+and a link between two ranks' peers without latency (no lookahead).
 """
 
 from __future__ import annotations
@@ -232,7 +233,10 @@ class Windows:
 
     # -- the window loop -------------------------------------------------------------------
     def advance(
-        self, quiet: Callable[[], bool], arrive: Callable[[InFlight], None]
+        self,
+        quiet: Callable[[], bool],
+        arrive: Callable[[InFlight], None],
+        halted: Callable[[], bool],
     ) -> tuple[Key, int]:
         """Run windows until every rank is quiet and no message is on its way; return the
         last event of all that was not an idle timer, and its children so far.
@@ -241,17 +245,27 @@ class Windows:
         only idle timers left: it takes an idle timer (a listener's crash time) only while
         some node still has something to do. So a rank whose nodes all listen puts its
         timers off until it knows: until a message comes, or until the run's end, when it
-        takes those before the last event of all."""
+        takes those before the last event of all.
+
+        ``stop.time_s`` is a timer that every rank holds, with one key: the rank that takes
+        it first ``halted()`` the run (so it was not over, and one process took every timer
+        before it), and then every rank takes its events up to that timer, no further:
+        what another rank sends arrives in a later window."""
         env, queue = self.env, self.env.queue
         while True:
-            mine = math.inf if quiet() or not queue else queue[0][0]
+            mine = -math.inf if halted() else math.inf if quiet() or not queue else queue[0][0]
             start = self._reduced(mine, dist.ReduceOp.MIN)
-            if start == math.inf:
+            if start in (math.inf, -math.inf):
                 break
             horizon = start + self.lookahead
-            while queue and queue[0][0] < horizon and not quiet():
+            while queue and queue[0][0] < horizon and not quiet() and not halted():
                 env.step()
             self._exchange(arrive)
+        if start == -math.inf:
+            while queue and not halted():
+                env.step()
+            self._exchange(arrive)
+            return ROOT, 0
         last, children = self.last()
         while queue and queue[0][2] < last:
             env.step()
@@ -297,6 +311,10 @@ class Windows:
     def maximum(self, value: float) -> float:
         """The largest ``value`` of every rank's."""
         return self._reduced(value, dist.ReduceOp.MAX)
+
+    def total(self, value: int) -> int:
+        """The sum of every rank's ``value`` (exact below 2**53)."""
+        return int(self._reduced(value, dist.ReduceOp.SUM))
 
     def _reduced(self, value: float, op: dist.ReduceOp.RedOpType) -> float:
         t = torch.tensor([value], dtype=torch.float64)
