@@ -144,6 +144,27 @@ def test_a_stop_in_time_ends_every_rank_where_one_process_ends(tmp_path, section
     assert one["summary"]["stop"]["by"] == by and one["summary"]["stop"]["samples"] > 0
 
 
+@pytest.mark.parametrize(
+    "sections",
+    [
+        ADPSGD | {"eval": {"every": 1, "every_s": 0.01, "targets": [0.5, 0.9]}},
+        FEDBUFF | {"eval": {"every": 1, "every_s": 0.05}},  # the server's model
+        FAULTS | {"eval": {"every": 1, "every_s": 0.02}, "stop": {"time_s": 0.1}},
+        RING | {"eval": {"every": 1, "every_s": 0.004}, "stop": {"accuracy": 0.24}},
+    ],
+    ids=["adpsgd-targets", "fedbuff-server", "crashes-stop-at-a-probe", "stop-accuracy"],
+)
+def test_the_run_model_is_probed_where_one_process_probes_it(tmp_path, sections):
+    """``eval.every_s``: every rank takes each probe together (the mean of every rank's
+    peers' latest models, summed from rank to rank; rank 0 scores it) at the probe's place
+    in one process's order, and not after the run's end."""
+    one = same_sharded(exp_file(tmp_path, **sections), tmp_path, "--shard-events")
+    probes = [r for r in _rows(one) if r[2] == "run"]
+    assert len(probes) >= 4, probes
+    if "accuracy" in sections.get("stop", {}):
+        assert one["summary"]["stop"]["by"] == "accuracy"
+
+
 QUIET = '''
 import math
 from dataclasses import dataclass
@@ -220,13 +241,10 @@ def test_each_rank_runs_only_its_own_peers(tmp_path, monkeypatch):
 
 
 BAD = [
+    ({"stop": {"samples": 100}}, "--shard-events: stop.samples counts every rank's trainings"),
     (
-        {"stop": {"samples": 100}},
-        "--shard-events: stop.samples and stop.accuracy read every rank's peers",
-    ),
-    (
-        {"eval": {"every": 1, "every_s": 0.01}},
-        "--shard-events: eval.every_s needs every peer's model in one process",
+        {"eval": {"every": 1, "matching": {}}},
+        "--shard-events: eval.matching needs every peer's model in one process",
     ),
     (
         {"topology": {"kind": "ring", "link": {"latency_s": 0.0}}},
@@ -235,7 +253,7 @@ BAD = [
 ]
 
 
-@pytest.mark.parametrize("sections,message", BAD, ids=["stop-samples", "every_s", "latency"])
+@pytest.mark.parametrize("sections,message", BAD, ids=["stop-samples", "matching", "latency"])
 def test_what_a_rank_cannot_decide_alone_is_one_error_line(tmp_path, capsys, sections, message):
     out = tmp_path / "out"
     exp = exp_file(tmp_path, **(RING | sections))

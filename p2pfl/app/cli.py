@@ -590,8 +590,8 @@ def _check_spread(setup: Setup, ranks: int, shard: str | None = None) -> None:
     if not shard:
         _check_memory(setup, ranks, shard=False)
         return
-    every = {
-        "eval.every_s": setup.eval.every_s is not None,  # the run's model, every so often
+    every = {  # the run's model every so often (--shard-events: a collective at each probe)
+        "eval.every_s": setup.eval.every_s is not None and shard == "shard",
         "eval.matching": setup.eval.matching is not None,
     }
     for key, used in every.items():
@@ -624,12 +624,11 @@ def _check_events(setup: Setup, ranks: int) -> None:
     from p2pfl.runtime.ranks import Ranks
     from p2pfl.runtime.windows import lookahead
 
-    stop = setup.stop
-    if stop is not None and (stop.samples is not None or stop.accuracy is not None):
-        raise ConfigError(  # counts or models over every peer, at an instant
+    if setup.stop is not None and setup.stop.samples is not None:
+        raise ConfigError(  # a count over every rank's trainings, at each one
             "--shard-events",
-            "stop.samples and stop.accuracy read every rank's peers at each instant: "
-            "use stop.time_s, or --shard",
+            "stop.samples counts every rank's trainings at each one: use stop.time_s or "
+            "stop.accuracy, or --shard",
         )
     lookahead(setup.topology, Ranks(0, ranks), setup.network)
 

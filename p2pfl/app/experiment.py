@@ -291,7 +291,7 @@ def _simulate(
         ranks.agree(_fingerprint(setup.config) + setup.data.counts.tobytes() + sharded)
         ranks.take_gpu(setup.devices)
         if ranks.events:  # each rank runs its own peers, like one process of fewer peers
-            windows = Windows(ranks, setup.topology, setup.network)
+            windows = Windows(ranks, setup.topology, setup.network, setup.init_state())
         elif ranks.sharded:
             shards = Shards(ranks, setup.topology.num_peers)
     ledger = Ledger(out / "comm.csv", fates=setup.network is not None)
@@ -314,7 +314,7 @@ def _simulate(
         }
         finals = runtime.run(behaviours)
         if windows is not None:
-            finals = windows.finals(finals, setup.init_state())
+            finals = windows.finals(finals)
         worker.settle()
     except Exception as e:
         if shards is not None and "meta" in str(e):  # an operation read a ghost's values

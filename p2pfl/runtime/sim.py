@@ -29,6 +29,7 @@ process is blocked while some node still waits, the run fails naming who waits f
 
 from __future__ import annotations
 
+import functools
 import gc
 import math
 from collections.abc import Callable, Generator
@@ -37,7 +38,7 @@ from typing import Any
 import simpy
 
 from p2pfl.core.errors import RunError
-from p2pfl.learning.state import State, average_states
+from p2pfl.learning.state import average_states
 from p2pfl.methods.effects import Behaviour, Compute, Effect, Finish, Recv, Send, Train
 from p2pfl.network.codecs import Compression, choose
 from p2pfl.network.dynamics import Network
@@ -256,30 +257,36 @@ class SimRuntime(Interpreter):
         ends without waiting for it."""
         assert self.probe_s is not None
         timer = self._idle(self.env.timeout(k * self.probe_s - self.env.now))
+        if self.windows is not None:  # every rank takes it together
+            self.windows.barrier = self.windows.env.scheduled
 
         def probe(_: simpy.Event) -> None:
-            state = self._run_model()
-            if state is not None:
-                acc = self.worker.probe(self.env.now, self.round_seen, state)
-                target = self.stop.accuracy if self.stop is not None else None
-                if target is not None and acc >= target:
-                    self._halt("accuracy")
+            acc = self._probe()
+            target = self.stop.accuracy if self.stop is not None else None
+            if target is not None and acc is not None and acc >= target:
+                self._halt("accuracy")
             self._probe_at(k + 1)
 
         timer.callbacks.append(probe)
 
-    def _run_model(self) -> State | None:
-        """The run's model now: the server's, else the mean of the peers' (each as it last
-        evaluated it); ``None`` before any has one."""
+    def _probe(self) -> float | None:
+        """Score the run's model now: the server's, else the mean of the peers' (each as it
+        last evaluated it); its accuracy, ``None`` before any has one."""
         server = self.topology.server
-        if server is not None:
-            return self.latest.get(server)
-        states = [
-            s
+        held = [
+            (p, s)
             for p in self.topology.peers
             if p not in self.gone and (s := self.latest.get(p)) is not None
         ]
-        return average_states(states) if states else None
+        score = functools.partial(self.worker.probe, self.env.now)
+        if self.windows is not None:  # this rank's peers; rank 0 scores
+            latest = None if server is None else self.latest.get(server)
+            return self.windows.probe(held, latest, self.round_seen, score)
+        if server is not None:
+            state = self.latest.get(server)
+        else:
+            state = average_states([s for _, s in held]) if held else None
+        return None if state is None else score(self.round_seen, state)
 
     def _idle(self, timer: simpy.Event) -> simpy.Event:
         """Count ``timer`` among the timers that change nothing once the run is over, until

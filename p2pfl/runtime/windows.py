@@ -34,10 +34,11 @@ rank as ``--shard`` sums it.
 A ``network:`` section needs nothing more: churn and link faults draw from streams per peer
 (a sender's rank draws whether a message is lost, which travels with it), crash times and
 redrawn graphs from the seed, so the rank of a message's receiver decides its fate as one
-process would. ``stop.time_s`` is a timer every rank holds with one key (:meth:`Windows.advance`).
-What it refuses, before anything runs (``p2pfl run``): ``stop.samples``, ``stop.accuracy``
-and ``eval.every_s`` (counts and models over every peer at an instant), ``eval.matching``,
-and a link between two ranks' peers without latency (no lookahead).
+process would. ``stop.time_s`` is a timer every rank holds with one key
+(:meth:`Windows.advance`); an ``eval.every_s`` probe is a point no window runs past, which
+every rank takes together (:meth:`Windows.probe`). What it refuses, before anything runs
+(``p2pfl run``): ``stop.samples`` (a count over every rank's trainings at each one),
+``eval.matching``, and a link between two ranks' peers without latency (no lookahead).
 """
 
 from __future__ import annotations
@@ -68,6 +69,7 @@ from p2pfl.network.topology import Topology
 from p2pfl.network.wire import decode, encode
 from p2pfl.reporting.reporters import Reporter
 from p2pfl.runtime.ranks import Ranks
+from p2pfl.runtime.shards import Shards
 from p2pfl.runtime.uplinks import InFlight
 
 Key = tuple[Any, ...]
@@ -110,6 +112,7 @@ class KeyedEnvironment(simpy.Environment):
         self.children = 0  # events scheduled since it was taken
         self.live: tuple[Key, int] = (ROOT, 0)  # the latest that was not an idle timer
         self.idle_step = False
+        self.scheduled: Key = ROOT  # the key of the event scheduled last
         # SimPy's own queue, of (time, priority, key, event) instead of a counter's value
         self.queue: list[tuple[float, int, Key, simpy.Event]] = cast(Any, self._queue)
 
@@ -117,6 +120,7 @@ class KeyedEnvironment(simpy.Environment):
         at = self._now + delay
         key = (at, int(priority), self.active, self.children)
         self.children += 1
+        self.scheduled = key
         heapq.heappush(self.queue, (at, int(priority), key, event))
 
     def reserve(self, delay: float) -> Key:
@@ -195,13 +199,18 @@ class Windows:
     """The ranks' windows: which rank runs each node, the messages that cross between them,
     and the rows rank 0 writes in key order."""
 
-    def __init__(self, ranks: Ranks, topology: Topology, network: Network | None) -> None:
+    def __init__(
+        self, ranks: Ranks, topology: Topology, network: Network | None, layout: State
+    ) -> None:
         self.ranks = ranks
         self.rank, self.world = ranks.rank, ranks.world
         self.topology = topology
         self.link = topology.link if network is None else network.link
         self.lookahead = lookahead(topology, ranks, network)
         self.env = KeyedEnvironment()
+        self.layout = ghost(layout)  # another rank's peer's model, as this rank sees it
+        self.shards = Shards(ranks, topology.num_peers)  # the mean of every rank's peers
+        self.barrier: Key | None = None  # the next probe (eval.every_s), every rank's
         self.outbox: list[list[tuple[Key, InFlight]]] = [[] for _ in range(self.world)]
         self.rows: list[tuple[Key, int, int, tuple[Any, ...]]] = []  # key, seq, file, row
         self._row_key: Key | None = None
@@ -257,7 +266,13 @@ class Windows:
             start = self._reduced(mine, dist.ReduceOp.MIN)
             if start in (math.inf, -math.inf):
                 break
+            probe = self.barrier
+            if probe is not None and start >= probe[0]:
+                self._probe_step(probe, quiet, arrive, halted)
+                continue
             horizon = start + self.lookahead
+            if probe is not None:
+                horizon = min(horizon, probe[0])
             while queue and queue[0][0] < horizon and not quiet() and not halted():
                 env.step()
             self._exchange(arrive)
@@ -271,12 +286,53 @@ class Windows:
             env.step()
         return last, children
 
-    def finals(self, mine: dict[int, Finish], layout: State) -> dict[int, Finish]:
+    def _probe_step(
+        self,
+        probe: Key,
+        quiet: Callable[[], bool],
+        arrive: Callable[[InFlight], None],
+        halted: Callable[[], bool],
+    ) -> None:
+        """A probe (``eval.every_s``) at the instant every rank has reached: each rank takes
+        its events before it; then, unless the run ended there (every rank quiet, or one
+        halted), every rank takes the probe, a collective (:meth:`probe`), with the timers
+        it put off before it, as one process takes them while the run is live."""
+        env, queue = self.env, self.env.queue
+        while queue and queue[0][2] < probe and not quiet() and not halted():
+            env.step()
+        self._exchange(arrive)
+        mine = 2.0 if halted() else 0.0 if quiet() else 1.0
+        if self._reduced(mine, dist.ReduceOp.MAX) == 1.0:  # live, and not halted
+            while queue and queue[0][2] <= probe:
+                env.step()
+
+    def probe(
+        self,
+        held: list[tuple[int, State]],
+        server: State | None,
+        round_seen: int,
+        score: Callable[[int, State], float],
+    ) -> float | None:
+        """The run's model at a probe, as one process takes it: the server's (rank 0's),
+        else the mean of every rank's ``held`` peers' models, summed from rank to rank;
+        rank 0 ``score``-s it. Its accuracy on every rank (``None`` before any model)."""
+        round_ = int(self.maximum(round_seen))
+        state = server if self.rank == 0 else None
+        if self.topology.server is None:
+            peers = [p for ps in self.gather([p for p, _ in held]) for p in ps]
+            mine = dict(held)
+            states = [(p, mine.get(p, self.layout)) for p in peers]
+            state = self.shards.average(states) if states else None
+        acc = score(round_, state) if self.rank == 0 and state is not None else -math.inf
+        acc = self.maximum(acc)
+        return None if acc == -math.inf else acc
+
+    def finals(self, mine: dict[int, Finish]) -> dict[int, Finish]:
         """Every node's ``Finish``: this rank's, and a ghost of each other rank's (its
         model's layout, no bytes), as a sharded run's results expect; an ``output`` model
         (the run's result: a chain's last peer) travels to rank 0, which scores it."""
         told = self.gather([[n, f.state is not None, f.output] for n, f in mine.items()])
-        shape = ghost(layout)  # one for all: a ghost holds no bytes, and nothing writes it
+        shape = self.layout  # one for all: a ghost holds no bytes, and nothing writes it
         out: dict[int, Finish] = {}
         for rank, finishes in enumerate(told):
             for node, held, output in finishes:
