@@ -20,8 +20,8 @@ import yaml
 from conftest import BASE, ROOT, experiment, on_device
 from p2pfl.app.cli import main
 from p2pfl.app.experiment import build
-from p2pfl.core.errors import RunError
-from p2pfl.runtime.children import free_port
+from p2pfl.core.errors import RankFailed, RunError
+from p2pfl.runtime.children import DEATH_SEEN_S, free_port
 from p2pfl.runtime.ranks import Ranks
 from p2pfl.runtime.worker import Worker
 
@@ -374,9 +374,9 @@ def test_a_failed_collective_is_one_line_naming_its_cause():
     )
     waited = []
     ranks = Ranks(0, 2, death=lambda within: waited.append(within) or "worker rank 1 exited")
-    with pytest.raises(RunError, match="^worker rank 1 exited$"), ranks.together():
+    with pytest.raises(RankFailed, match="^worker rank 1 exited$"), ranks.together():
         raise lost
-    assert waited == [1.0]
+    assert waited == [DEATH_SEEN_S]
 
 
 def test_only_a_run_on_cuda_needs_cuda_untouched_before_the_fork(monkeypatch):

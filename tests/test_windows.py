@@ -4,6 +4,7 @@ outputs are the bytes of one process (:mod:`p2pfl.runtime.windows`)."""
 
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
 from typing import Any
@@ -403,3 +404,43 @@ def test_a_deadlock_names_every_ranks_waiting_nodes(tmp_path, capfd):
     assert lines[0].startswith("error: run failed: at t=0.000s: deadlock: 1 waits for ")
     assert "; 5 waits for " in lines[0]
     assert lines[1] == lines[0]
+
+
+BOOM = '''
+from dataclasses import dataclass
+
+from p2pfl.api import METHODS, Finish, Method, Wait
+
+
+@METHODS.register("boom")
+@dataclass(kw_only=True, eq=False)
+class Boom(Method):
+    """Peer 4 (rank 2's of 3) fails at 5 ms; the others would finish at 11-16 ms."""
+
+    serverless = True
+
+    def total_rounds(self, num_peers):
+        return 1
+
+    def behaviour(self, ctx):
+        state = ctx.init_state()
+        yield Wait(0.001 * (ctx.node + 1))
+        if ctx.node == 4:
+            raise ValueError("boom")
+        yield Wait(0.01 + 0.001 * (ctx.node + 1))
+        yield Finish(state)
+'''
+
+
+def test_a_peer_that_fails_on_another_rank_is_told_once(tmp_path, capfd):
+    """Rank 2's peer fails at 5 ms: rank 0's one error line is the line one process writes,
+    and summary.json tells it once, at the time it failed."""
+    exp = plugin_ring(tmp_path, "boom", BOOM)
+    lines, errors = [], []
+    for out, world in (("one", 1), ("three", 3)):
+        options = ("--shard-events",) if world > 1 else ()
+        assert spread(exp, tmp_path / out, world, *options) == 1
+        lines.append(capfd.readouterr().err.strip().splitlines()[-1])
+        errors.append(json.loads((tmp_path / out / "summary.json").read_text())["error"])
+    assert lines[0] == lines[1] == "error: run failed: at t=0.005s: boom"
+    assert errors == ["RunError: at t=0.005s: boom", "RankFailed: run failed: at t=0.005s: boom"]

@@ -25,7 +25,7 @@ import torch
 import yaml
 
 from p2pfl.app.config import Resolved
-from p2pfl.core.errors import ConfigError, RunError, TopologyMisfit
+from p2pfl.core.errors import ConfigError, RankFailed, RunError, TopologyMisfit
 from p2pfl.core.json_io import write_json
 from p2pfl.core.seeding import derive_seed
 from p2pfl.data.datasets import load_dataset
@@ -211,6 +211,8 @@ def run(
         raise
     except Exception as e:
         summary |= {"status": "failed", "error": f"{type(e).__name__}: {e}"}
+        if isinstance(e, RankFailed):  # another rank's whole message
+            raise
         raise RunError(f"run failed: {reason(e)}") from e
     finally:
         reporters.close()
@@ -325,6 +327,8 @@ def _simulate(
         if ranks is not None and ranks.rank == 0:  # keep the rows held behind deferred scores
             with contextlib.suppress(Exception):  # the run's own error is the one to report
                 worker.settle(alone=True)
+        if isinstance(e, RankFailed):
+            raise
         raise RunError(f"at t={runtime.now:.3f}s: {reason(e)}") from e
     finally:
         worker.close()

@@ -33,3 +33,8 @@ class TopologyMisfit(ConfigError):
 
 class RunError(Exception):
     """A run that started and then failed (a dead peer, a timeout, a diverged model)."""
+
+
+class RankFailed(RunError):
+    """Another rank of a spread run failed (it died, or its run raised), which ended this
+    one: its message, already whole, is the run's error, not wrapped again."""

@@ -37,7 +37,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from p2pfl.core.errors import RunError
+from p2pfl.core.errors import RankFailed, RunError
 from p2pfl.learning.state import State, ghost, state_bytes
 from p2pfl.learning.training import TrainResult
 from p2pfl.runtime.children import DEATH_SEEN_S, JOIN_ENV, join_timeout
@@ -196,7 +196,9 @@ class Ranks:
             yield
         except RuntimeError as e:  # gloo's errors are RuntimeErrors
             why = self.death(DEATH_SEEN_S) if self.death is not None else None
-            raise RunError(why or f"rank {self.rank} lost the others ({_reason(e)})") from None
+            if why:
+                raise RankFailed(why) from None
+            raise RunError(f"rank {self.rank} lost the others ({_reason(e)})") from None
 
     def take_gpu(self, devices: set[torch.device]) -> None:
         """One rank per GPU: where the peers train on plain ``cuda`` and this host has

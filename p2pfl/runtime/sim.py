@@ -183,7 +183,7 @@ class SimRuntime(Interpreter):
         finally:
             gc.unfreeze()
             gc.set_threshold(*thresholds)
-            self.done = True
+        self.done = True  # a run that failed keeps its clock at the failure
         if self.halted:
             self.stopped_finals(sorted(set(behaviours) - self.gone))
         if self.windows is not None and self.stop is not None:  # each rank counted its own
