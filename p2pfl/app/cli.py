@@ -796,17 +796,17 @@ def _helper_rank(args: argparse.Namespace) -> int:
 
 
 def _rank_run(setup: Setup, ranks: Ranks | None) -> None:
-    """Run the simulation as a rank above 0: its outputs go to a directory thrown away."""
+    """Run the simulation as a rank above 0: its outputs go to a directory thrown away. A
+    rank that fails keeps its connections until it exits, after telling rank 0 why: the
+    other ranks then fail after it, and rank 0 names its failure, not theirs."""
     import tempfile
 
     from p2pfl.app.experiment import run
 
-    try:
-        with tempfile.TemporaryDirectory(prefix="p2pfl-rank") as tmp:
-            run(setup, Path(tmp), False, "sim", ranks)
-    finally:
-        if ranks is not None:
-            ranks.close()
+    with tempfile.TemporaryDirectory(prefix="p2pfl-rank") as tmp:
+        run(setup, Path(tmp), False, "sim", ranks)
+    if ranks is not None:
+        ranks.close()
 
 
 def cmd_peer(args: argparse.Namespace) -> int:
