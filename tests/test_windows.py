@@ -393,14 +393,22 @@ class Stuck(Method):
 '''
 
 
+def _failed(exp: Path, tmp_path: Path, capfd: Any) -> list[tuple[str, str]]:
+    """``exp``, which fails (exit 1), in one process and on three ranks of sharded events:
+    each run's last line on stderr and its ``summary.json`` error."""
+    told = []
+    for out, world in (("one", 1), ("three", 3)):
+        options = ("--shard-events",) if world > 1 else ()
+        assert spread(exp, tmp_path / out, world, *options) == 1
+        line = capfd.readouterr().err.strip().splitlines()[-1]
+        told.append((line, json.loads((tmp_path / out / "summary.json").read_text())["error"]))
+    return told
+
+
 def test_a_deadlock_names_every_ranks_waiting_nodes(tmp_path, capfd):
     """Peers 1 and 5 (ranks 0 and 2 of 3) wait for ever: one error line names both, as one
     process names them (exit 1)."""
-    exp = plugin_ring(tmp_path, "stuck", STUCK)
-    lines = []
-    for out, options in (("one", ()), ("three", ("--shard-events",))):
-        assert spread(exp, tmp_path / out, 1 if out == "one" else 3, *options) == 1
-        lines.append(capfd.readouterr().err.strip().splitlines()[-1])
+    lines = [line for line, _ in _failed(plugin_ring(tmp_path, "stuck", STUCK), tmp_path, capfd)]
     assert lines[0].startswith("error: run failed: at t=0.000s: deadlock: 1 waits for ")
     assert "; 5 waits for " in lines[0]
     assert lines[1] == lines[0]
@@ -435,12 +443,9 @@ class Boom(Method):
 def test_a_peer_that_fails_on_another_rank_is_told_once(tmp_path, capfd):
     """Rank 2's peer fails at 5 ms: rank 0's one error line is the line one process writes,
     and summary.json tells it once, at the time it failed."""
-    exp = plugin_ring(tmp_path, "boom", BOOM)
-    lines, errors = [], []
-    for out, world in (("one", 1), ("three", 3)):
-        options = ("--shard-events",) if world > 1 else ()
-        assert spread(exp, tmp_path / out, world, *options) == 1
-        lines.append(capfd.readouterr().err.strip().splitlines()[-1])
-        errors.append(json.loads((tmp_path / out / "summary.json").read_text())["error"])
-    assert lines[0] == lines[1] == "error: run failed: at t=0.005s: boom"
-    assert errors == ["RunError: at t=0.005s: boom", "RankFailed: run failed: at t=0.005s: boom"]
+    (line, error), (sharded_line, sharded_error) = _failed(
+        plugin_ring(tmp_path, "boom", BOOM), tmp_path, capfd
+    )
+    assert line == sharded_line == "error: run failed: at t=0.005s: boom"
+    assert error == "RunError: at t=0.005s: boom"
+    assert sharded_error == "RankFailed: run failed: at t=0.005s: boom"

@@ -273,17 +273,17 @@ class SimRuntime(Interpreter):
         """Score the run's model now: the server's, else the mean of the peers' (each as it
         last evaluated it); its accuracy, ``None`` before any has one."""
         server = self.topology.server
-        held = [
+        latest = None if server is None else self.latest.get(server)
+        held = [] if server is not None else [
             (p, s)
             for p in self.topology.peers
             if p not in self.gone and (s := self.latest.get(p)) is not None
-        ]
+        ]  # fmt: skip
         score = functools.partial(self.worker.probe, self.env.now)
         if self.windows is not None:  # this rank's peers; rank 0 scores
-            latest = None if server is None else self.latest.get(server)
             return self.windows.probe(held, latest, self.round_seen, score)
         if server is not None:
-            state = self.latest.get(server)
+            state = latest
         else:
             state = average_states([s for _, s in held]) if held else None
         return None if state is None else score(self.round_seen, state)
