@@ -145,6 +145,38 @@ def test_a_stop_in_time_ends_every_rank_where_one_process_ends(tmp_path, section
     assert one["summary"]["stop"]["by"] == by and one["summary"]["stop"]["samples"] > 0
 
 
+CRASH_4 = {"network": {"crashes": {"at": {4: 0.0003}}}}  # during its first training
+
+
+@pytest.mark.parametrize(
+    "sections",
+    [
+        RING | {"stop": {"samples": 150}},
+        ADPSGD | {"stop": {"samples": 150}, "eval": {"every": 1, "every_s": 0.0002}},
+        FEDBUFF | {"stop": {"samples": 200}},
+        FAULTS | {"stop": {"samples": 2000}},  # in round 2, after a crash and churn
+        FAULTS | {"stop": {"samples": 2000, "time_s": 0.03}},  # the time first
+        RING | CRASH_4 | {"stop": {"samples": 20}},
+    ],
+    ids=["dfedavgm", "adpsgd-probed", "fedbuff", "crashes-churn", "time-first", "crash"],
+)
+def test_a_stop_in_samples_ends_every_rank_where_one_process_ends(tmp_path, sections):
+    """``stop.samples``: the ranks' windows last at most a training, so each training that
+    ends in one was announced to every rank before it; the ranks take their events up to
+    the training where every rank's count may reach the budget, and end there if it does.
+    Peer 4 crashes during the first training to end, which would have reached the budget:
+    the run ends at the next one, as in one process."""
+    one = same_sharded(exp_file(tmp_path, **sections), tmp_path, "--shard-events")
+    stop = one["summary"]["stop"]
+    budget = sections["stop"]["samples"]
+    assert stop["by"] == ("time_s" if "time_s" in sections["stop"] else "samples")
+    assert stop["samples"] >= budget or stop["by"] == "time_s"
+    if "network" in sections and sections["network"] == CRASH_4["network"]:
+        spread(exp_file(tmp_path, **(RING | {"stop": {"samples": 20}})), tmp_path / "no", 1)
+        first = json.loads((tmp_path / "no" / "summary.json").read_text())["stop"]["samples"]
+        assert 20 <= first < stop["samples"]  # without the crash, an earlier training
+
+
 @pytest.mark.parametrize(
     "sections",
     [
@@ -242,7 +274,6 @@ def test_each_rank_runs_only_its_own_peers(tmp_path, monkeypatch):
 
 
 BAD = [
-    ({"stop": {"samples": 100}}, "--shard-events: stop.samples counts every rank's trainings"),
     (
         {"eval": {"every": 1, "matching": {}}},
         "--shard-events: eval.matching needs every peer's model in one process",
@@ -254,7 +285,7 @@ BAD = [
 ]
 
 
-@pytest.mark.parametrize("sections,message", BAD, ids=["stop-samples", "matching", "latency"])
+@pytest.mark.parametrize("sections,message", BAD, ids=["matching", "latency"])
 def test_what_a_rank_cannot_decide_alone_is_one_error_line(tmp_path, capsys, sections, message):
     out = tmp_path / "out"
     exp = exp_file(tmp_path, **(RING | sections))
@@ -449,3 +480,42 @@ def test_a_peer_that_fails_on_another_rank_is_told_once(tmp_path, capfd):
     assert line == sharded_line == "error: run failed: at t=0.005s: boom"
     assert error == "RunError: at t=0.005s: boom"
     assert sharded_error == "RankFailed: run failed: at t=0.005s: boom"
+
+
+SHORT = '''
+from dataclasses import dataclass
+
+from p2pfl.api import METHODS, Finish, Method, Train
+
+
+@METHODS.register("short_train")
+@dataclass(kw_only=True, eq=False)
+class ShortTrain(Method):
+    """Each peer trains one epoch of the train: section's two, then another."""
+
+    serverless = True
+
+    def total_rounds(self, num_peers):
+        return 2
+
+    def behaviour(self, ctx):
+        state = ctx.init_state()
+        for r in range(2):
+            state = (yield Train(state, r, overrides={"epochs": 1})).state
+        yield Finish(state)
+'''
+
+
+def test_a_training_shorter_than_the_windows_under_a_samples_stop_fails_by_name(tmp_path, capfd):
+    """Under ``stop.samples`` a window lasts at most a training of the ``train:`` section;
+    a method that trains for less (its overrides) would end a training that the other
+    ranks did not know of: the run fails, naming the peer, where one process runs."""
+    exp = plugin_ring(
+        tmp_path, "short_train", SHORT, stop={"samples": 10**6},
+        train={"epochs": 2, "batch_size": 32, "lr": 0.05},
+    )  # fmt: skip
+    assert spread(exp, tmp_path / "one", 1) == 0
+    assert spread(exp, tmp_path / "three", 3, "--shard-events") == 1
+    line = capfd.readouterr().err.strip().splitlines()[-1]
+    assert "stop.samples counts every rank's trainings where they end" in line, line
+    assert "(its method's overrides): use --shard" in line and "trained for" in line

@@ -624,12 +624,6 @@ def _check_events(setup: Setup, ranks: int) -> None:
     from p2pfl.runtime.ranks import Ranks
     from p2pfl.runtime.windows import lookahead
 
-    if setup.stop is not None and setup.stop.samples is not None:
-        raise ConfigError(  # a count over every rank's trainings, at each one
-            "--shard-events",
-            "stop.samples counts every rank's trainings at each one: use stop.time_s or "
-            "stop.accuracy, or --shard",
-        )
     lookahead(setup.topology, Ranks(0, ranks), setup.network)
 
 

@@ -157,6 +157,11 @@ class SimRuntime(Interpreter):
         if self.stop is not None and self.stop.time_s is not None:
             timer = self._idle(self.env.timeout(self.stop.time_s))
             timer.callbacks.append(lambda _: self._halt("time_s"))
+            if self.windows is not None:
+                self.windows.stop_key = self.windows.env.scheduled
+        if self.windows is not None and self.stop is not None and self.stop.samples is not None:
+            self.windows.budget = self.stop.samples
+            self.windows.shortest = self.worker.shortest_training()
         if self.probe_s is not None:
             self._probe_at(1)
         # Objects made before the run (torch, the data) stay out of the cyclic collector's
@@ -216,7 +221,11 @@ class SimRuntime(Interpreter):
         assert self.windows is not None
         windows = self.windows
         halted = lambda: self.halted is not None  # noqa: E731
-        last, children = windows.advance(self._quiet, self._arrive, halted)
+        advance = functools.partial(
+            windows.advance, self._quiet, self._arrive, halted, lambda: self.samples,
+            lambda: self._halt("samples"),
+        )  # fmt: skip
+        last, children = advance()
         for _ in range(10 * self.topology.graph.number_of_nodes()):  # bounded, as run's
             if self.halted:
                 return
@@ -228,7 +237,7 @@ class SimRuntime(Interpreter):
                 if windows.mine(n):
                     windows.env.after(last, children + i)
                     self.wakeup[n].succeed()
-            last, children = windows.advance(self._quiet, self._arrive, halted)
+            last, children = advance()
 
     def _quiet(self) -> bool:
         """Whether nothing else can happen here: every running node listens "until the
@@ -374,22 +383,31 @@ class SimRuntime(Interpreter):
         yield self.env.timeout(until - self.env.now)
 
     def compute(self, node: int, eff: Train | Compute) -> Generator[simpy.Event, Any, Any]:
+        job = end = value = None
         if (
             isinstance(eff, Train)
             and (seconds := self.worker.batchable_seconds(node, eff)) is not None
         ):
-            return self._trained(eff, (yield from self.batcher.train(node, eff, seconds)))
-        value, seconds = self.worker.perform(node, eff, self.env.now)
-        if seconds:
-            yield self.env.timeout(seconds)
-        return self._trained(eff, value)
+            job, end = self.batcher.start(node, eff, seconds)
+        else:
+            value, seconds = self.worker.perform(node, eff, self.env.now)
+            if seconds:
+                end = self.env.timeout(seconds)
+        if isinstance(eff, Train) and self.windows is not None:  # where it counts: its end
+            env, samples = self.windows.env, self.worker.work(node, eff)[0]
+            key = env.active if end is None else env.scheduled
+            self.windows.training(self.topology.name(node), key, samples, end)
+        if end is not None:
+            yield end
+        return self._trained(eff, value if job is None else self.batcher.result(job))
 
     def _trained(self, eff: Train | Compute, value: Any) -> Any:
         """Count a finished training's samples; stop the run at ``stop.samples``."""
         if isinstance(eff, Train) and self.stop is not None:
             self.trained(value)
-            if self.stop.samples is not None and self.samples >= self.stop.samples:
-                self._halt("samples")
+            budget = self.stop.samples
+            if budget is not None and self.samples >= budget and self.windows is None:
+                self._halt("samples")  # over ranks, Windows halts every rank together
         return value
 
     def send(self, node: int, eff: Send) -> None:

@@ -21,9 +21,8 @@ from __future__ import annotations
 
 import ctypes
 from collections import deque
-from collections.abc import Callable, Generator
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import simpy
 
@@ -70,13 +69,15 @@ class TrainBatcher:
         self.worker = worker
         self.pending: list[_Pending] = []
 
-    def train(
-        self, node: int, eff: Train, seconds: float
-    ) -> Generator[simpy.Event, Any, TrainResult]:
-        """Charge ``seconds`` of simulated time, then return the training's result."""
+    def start(self, node: int, eff: Train, seconds: float) -> tuple[_Pending, simpy.Event]:
+        """Defer a training that ends ``seconds`` from now: its job, and the timeout its
+        node waits on (scheduled last), after which :meth:`result` gives its result."""
         job = _Pending(node, eff, self.env.now + seconds)
         self.pending.append(job)
-        yield self.env.timeout(seconds)
+        return job, self.env.timeout(seconds)
+
+    def result(self, job: _Pending) -> TrainResult:
+        """A deferred training's result, once its timeout has passed."""
         if job.result is None:
             if job.cohort is None:
                 self._flush()

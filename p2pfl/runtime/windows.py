@@ -36,9 +36,12 @@ A ``network:`` section needs nothing more: churn and link faults draw from strea
 redrawn graphs from the seed, so the rank of a message's receiver decides its fate as one
 process would. ``stop.time_s`` is a timer every rank holds with one key
 (:meth:`Windows.advance`); an ``eval.every_s`` probe is a point no window runs past, which
-every rank takes together (:meth:`Windows.probe`). What it refuses, before anything runs
-(``p2pfl run``): ``stop.samples`` (a count over every rank's trainings at each one),
-``eval.matching``, and a link between two ranks' peers without latency (no lookahead).
+every rank takes together (:meth:`Windows.probe`). Under ``stop.samples`` a window lasts at
+most the shortest training of the ``train:`` section, so every training that ends in a
+window was announced to every rank before it, and the ranks end together at the one where
+every rank's count reaches the budget (:meth:`Windows._take`). What it refuses, before
+anything runs (``p2pfl run``): ``eval.matching``, and a link between two ranks' peers
+without latency (no lookahead).
 """
 
 from __future__ import annotations
@@ -59,7 +62,7 @@ import torch.distributed as dist
 from simpy.core import EmptySchedule
 from simpy.events import NORMAL
 
-from p2pfl.core.errors import ConfigError
+from p2pfl.core.errors import ConfigError, RunError
 from p2pfl.learning.state import State, ghost
 from p2pfl.methods.effects import Finish
 from p2pfl.network.dynamics import Network
@@ -172,6 +175,10 @@ def _unframes(data: memoryview) -> list[Message]:
     return msgs
 
 
+def _before(time: float, key: Key) -> bool:
+    return key[0] < time
+
+
 def _arrival(arrive: Callable[[InFlight], None], item: InFlight, _: simpy.Event) -> None:
     arrive(item)
 
@@ -211,6 +218,11 @@ class Windows:
         self.layout = ghost(layout)  # another rank's peer's model, as this rank sees it
         self.shards = Shards(ranks, topology.num_peers)  # the mean of every rank's peers
         self.barrier: Key | None = None  # the next probe (eval.every_s), every rank's
+        self.budget: int | None = None  # stop.samples, a count over every rank's trainings
+        self.stop_key: Key | None = None  # stop.time_s's timer, which every rank holds
+        self.shortest = math.inf  # under stop.samples: the least training (a window at most)
+        self.trainings: list[tuple[Key, int, simpy.Event]] = []  # this rank's, announced
+        self._within: Callable[[Key], bool] | None = None  # the window under way, its keys
         self.outbox: list[list[tuple[Key, InFlight]]] = [[] for _ in range(self.world)]
         self.rows: list[tuple[Key, int, int, tuple[Any, ...]]] = []  # key, seq, file, row
         self._row_key: Key | None = None
@@ -246,6 +258,8 @@ class Windows:
         quiet: Callable[[], bool],
         arrive: Callable[[InFlight], None],
         halted: Callable[[], bool],
+        trained: Callable[[], int],
+        halt: Callable[[], None],
     ) -> tuple[Key, int]:
         """Run windows until every rank is quiet and no message is on its way; return the
         last event of all that was not an idle timer, and its children so far.
@@ -259,8 +273,10 @@ class Windows:
         ``stop.time_s`` is a timer that every rank holds, with one key: the rank that takes
         it first ``halted()`` the run (so it was not over, and one process took every timer
         before it), and then every rank takes its events up to that timer, no further:
-        what another rank sends arrives in a later window."""
+        what another rank sends arrives in a later window. ``stop.samples``: see
+        :meth:`_take` (``trained``: this rank's count; ``halt`` ends its run)."""
         env, queue = self.env, self.env.queue
+        take = functools.partial(self._take, quiet=quiet, halted=halted, trained=trained, halt=halt)
         while True:
             mine = -math.inf if halted() else math.inf if quiet() or not queue else queue[0][0]
             start = self._reduced(mine, dist.ReduceOp.MIN)
@@ -268,13 +284,12 @@ class Windows:
                 break
             probe = self.barrier
             if probe is not None and start >= probe[0]:
-                self._probe_step(probe, quiet, arrive, halted)
+                self._probe_step(probe, take, quiet, arrive, halted)
                 continue
-            horizon = start + self.lookahead
+            horizon = start + min(self.lookahead, self.shortest)
             if probe is not None:
                 horizon = min(horizon, probe[0])
-            while queue and queue[0][0] < horizon and not quiet() and not halted():
-                env.step()
+            take(functools.partial(_before, horizon))
             self._exchange(arrive)
         if start == -math.inf:
             while queue and not halted():
@@ -286,9 +301,79 @@ class Windows:
             env.step()
         return last, children
 
+    def _take(
+        self,
+        within: Callable[[Key], bool],
+        quiet: Callable[[], bool],
+        halted: Callable[[], bool],
+        trained: Callable[[], int],
+        halt: Callable[[], None],
+    ) -> None:
+        """Take this rank's events of a window (``within``: their keys) until it is quiet
+        or halted.
+
+        Under ``stop.samples`` the run ends at the training, in key order over every rank,
+        whose samples bring the count to the budget. The trainings that end in a window
+        began before it (:meth:`training`), so the ranks can tell where that may be
+        (:meth:`_cut`): each takes its events before it, its rank takes it, and if the
+        count of every rank's trainings taken reaches the budget (a crash can have ended
+        one announced), every rank ends its run there, as one process would, the timers
+        it put off before it taken."""
+        env, queue = self.env, self.env.queue
+        self._within = within
+        while (cut := self._cut(within, trained)) is not None:
+            while queue and queue[0][2] < cut and not quiet() and not halted():
+                env.step()
+            if queue and queue[0][2] == cut and not halted():
+                env.step()
+            if self.total(trained()) >= cast(int, self.budget):
+                while queue and queue[0][2] < cut:
+                    env.step()
+                halt()
+                break
+        while queue and within(queue[0][2]) and not quiet() and not halted():
+            env.step()
+        self._within = None
+
+    def training(self, name: str, key: Key, samples: int, end: simpy.Event | None) -> None:
+        """A training of this rank's began: under ``stop.samples``, its ``samples`` count
+        toward the budget at the event ``key`` (``end``; ``None``: it ended at once). It
+        must end after the window under way, which the other ranks run without knowing of
+        it: a window lasts at most the run's shortest training (:attr:`shortest`)."""
+        if self.budget is None or not samples:
+            return
+        if end is None or (self._within is not None and self._within(key)):
+            raise RunError(
+                f"--shard-events: stop.samples counts every rank's trainings where they "
+                f"end, so a window of the ranks lasts at most a training of the train: "
+                f"section ({self.shortest:.3g} s), but {name} trained for "
+                f"{key[0] - self.env.now:.3g} s (its method's overrides): use --shard"
+            )
+        self.trainings.append((key, samples, end))
+
+    def _cut(self, within: Callable[[Key], bool], trained: Callable[[], int]) -> Key | None:
+        """Where, in this window and before ``stop.time_s``'s timer, every rank's count
+        would reach ``stop.samples`` if every training announced ended (``None``: nowhere,
+        and always without a budget)."""
+        if self.budget is None:
+            return None
+        self.trainings = [t for t in self.trainings if not t[2].processed]
+        stop = self.stop_key
+        ahead = [(k, n) for k, n, _ in self.trainings if within(k) and (stop is None or k < stop)]
+        if self.total(trained() + sum(n for _, n in ahead)) < self.budget:
+            return None  # one sum where no training in the window can reach it
+        told = self.gather([trained(), [[order(k), n] for k, n in ahead]])
+        count = sum(c for c, _ in told)
+        for numbers, samples in sorted(t for _, ts in told for t in ts):
+            count += samples
+            if count >= self.budget:
+                return key_of(numbers)
+        return None
+
     def _probe_step(
         self,
         probe: Key,
+        take: Callable[[Callable[[Key], bool]], None],
         quiet: Callable[[], bool],
         arrive: Callable[[InFlight], None],
         halted: Callable[[], bool],
@@ -298,8 +383,7 @@ class Windows:
         halted), every rank takes the probe, a collective (:meth:`probe`), with the timers
         it put off before it, as one process takes them while the run is live."""
         env, queue = self.env, self.env.queue
-        while queue and queue[0][2] < probe and not quiet() and not halted():
-            env.step()
+        take(lambda key: key < probe)
         self._exchange(arrive)
         mine = 2.0 if halted() else 0.0 if quiet() else 1.0
         if self._reduced(mine, dist.ReduceOp.MAX) == 1.0:  # live, and not halted

@@ -7,6 +7,7 @@ seconds each piece of compute costs.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -197,9 +198,27 @@ class Worker:
             known = self._supported[key] = batched.divisible(module, cfg, device)
         return known
 
+    def work(self, node: int, eff: Train) -> tuple[int, int]:
+        """(samples trained, samples scored) by ``eff`` on ``node``, known before it runs."""
+        return work(self.train_cfg.with_overrides(eff.overrides), self.data.peers[node])
+
+    def shortest_training(self) -> float:
+        """The least simulated duration of a training with the run's ``train:`` settings
+        over the peers that have samples to train (``inf`` where none has); ``compute:
+        model`` only, where a training's duration is known before it runs."""
+        assert self.population.compute == "model"
+        cfg = self.train_cfg
+        return min(
+            (
+                self._seconds(node, self.trainer.compute_flops(*work(cfg, data)), 0.0)
+                for node, data in enumerate(self.data.peers)
+                if data.num_train
+            ),
+            default=math.inf,
+        )
+
     def _flops(self, node: int, eff: Train) -> float:
-        cfg = self.train_cfg.with_overrides(eff.overrides)
-        return self.trainer.compute_flops(*work(cfg, self.data.peers[node]))
+        return self.trainer.compute_flops(*self.work(node, eff))
 
     def pool(self) -> batched.DataPool:
         """All peers' training data in one tensor (made on first use: simulation only)."""
