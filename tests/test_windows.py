@@ -5,7 +5,12 @@ outputs are the bytes of one process (:mod:`p2pfl.runtime.windows`)."""
 from __future__ import annotations
 
 import json
+import os
 import random
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -519,3 +524,69 @@ def test_a_training_shorter_than_the_windows_under_a_samples_stop_fails_by_name(
     line = capfd.readouterr().err.strip().splitlines()[-1]
     assert "stop.samples counts every rank's trainings where they end" in line, line
     assert "(its method's overrides): use --shard" in line and "trained for" in line
+
+
+BUSY = '''
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from p2pfl.api import METHODS, Compute, Finish, Method, Wait
+
+MARK = Path(__file__).with_name("computing")
+
+
+def nap(module, data, device):
+    MARK.touch()
+    end = time.monotonic() + 60
+    while time.monotonic() < end:  # Python's own loop, which takes a signal between lines
+        pass
+
+
+@METHODS.register("busy")
+@dataclass(kw_only=True, eq=False)
+class Busy(Method):
+    """Peer 0 (rank 0's) computes for a minute, outside every collective; the others wait."""
+
+    serverless = True
+
+    def total_rounds(self, num_peers):
+        return 1
+
+    def behaviour(self, ctx):
+        state = ctx.init_state()
+        if ctx.node == 0:
+            yield Compute(state, nap)
+        else:
+            yield Wait(1.0)
+        yield Finish(state)
+'''
+
+
+def test_a_rank_that_dies_while_rank_0_computes_is_told_as_a_failed_exchange_tells_it(
+    tmp_path,
+):
+    """Rank 1 is killed while rank 0 is in a peer's computation, where no exchange can fail:
+    rank 0 is interrupted, and its summary.json tells the death in the form a failed
+    exchange gives it (``test_ranks``' dead rank), not wrapped in the time it came."""
+    exp = plugin_ring(tmp_path, "busy", BUSY)
+    cmd = [sys.executable, "-m", "p2pfl", "run", str(exp), "--out", str(tmp_path / "o")]
+    proc = subprocess.Popen(
+        [*cmd, "--quiet", "--workers", "2", "--shard-events"], stderr=subprocess.PIPE,
+        text=True, env=os.environ | {"OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    try:
+        for _ in range(600):  # a minute at most
+            if (tmp_path / "computing").exists():
+                break
+            time.sleep(0.1)
+        rank = subprocess.run(
+            ["pgrep", "-P", str(proc.pid), "-x", "p2pfl rank 1"], capture_output=True, text=True
+        )  # fmt: skip
+        os.kill(int(rank.stdout.split()[0]), signal.SIGKILL)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 1 and err == "error: worker rank 1 exited with code -9\n", err
+    summary = json.loads((tmp_path / "o" / "summary.json").read_text())
+    assert summary["error"] == "RankFailed: worker rank 1 exited with code -9"

@@ -27,7 +27,7 @@ import traceback
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-from p2pfl.core.errors import ConfigError, RunError
+from p2pfl.core.errors import ConfigError, RankFailed, RunError
 
 LAUNCHER_PID = "P2PFL_LAUNCHER_PID"
 """The environment variable that tells a child the launcher's process id."""
@@ -364,8 +364,8 @@ before rank 0 is ended from outside: it may be stuck in a call that cannot be in
 class Workers:
     """``--workers N``: this process is rank 0 of N; ranks 1..N-1 are forked from it once
     it has built the run, each calling ``main(rank)`` as ``p2pfl rank R`` in ``ps``, each
-    dying with this process. A rank that dies ends the run with a :class:`RunError` naming
-    it (or the rank's own RunError, where one ended it), raised in this process's main
+    dying with this process. A rank that dies ends the run with a :class:`RankFailed` naming
+    it (or telling the rank's own RunError, where one ended it), raised in this process's main
     thread (which must create the workers and :meth:`stop` them); ranks that this process
     stops are not reported."""
 
@@ -403,7 +403,7 @@ class Workers:
             # the run is ending already (the dead rank failed its exchange first), maybe in
             # the ``finally`` that writes summary.json: the death becomes its error after
             return
-        raise RunError(self.death or "a worker rank exited")
+        raise RankFailed(self.death or "a worker rank exited")  # as a failed exchange tells it
 
     def died(self, within: float) -> str | None:
         """The rank whose death ended the run, if one did, waiting up to ``within`` seconds
