@@ -396,7 +396,7 @@ class SimRuntime(Interpreter):
         if isinstance(eff, Train) and self.windows is not None:  # where it counts: its end
             env, samples = self.windows.env, self.worker.work(node, eff)[0]
             key = env.active if end is None else env.scheduled
-            self.windows.training(self.topology.name(node), key, samples, end)
+            self.windows.announce(self.topology.name(node), key, samples, end)
         if end is not None:
             yield end
         return self._trained(eff, value if job is None else self.batcher.result(job))

@@ -314,11 +314,11 @@ class Windows:
 
         Under ``stop.samples`` the run ends at the training, in key order over every rank,
         whose samples bring the count to the budget. The trainings that end in a window
-        began before it (:meth:`training`), so the ranks can tell where that may be
-        (:meth:`_cut`): each takes its events before it, its rank takes it, and if the
-        count of every rank's trainings taken reaches the budget (a crash can have ended
-        one announced), every rank ends its run there, as one process would, the timers
-        it put off before it taken."""
+        began before it and were announced (:meth:`announce`), so the ranks can tell where
+        that may be (:meth:`_cut`): each takes its events before it, its rank takes it,
+        and if the count of every rank's trainings taken reaches the budget (a crash can
+        have ended one announced), every rank ends its run there, as one process would,
+        the timers it put off before it taken."""
         env, queue = self.env, self.env.queue
         self._within = within
         while (cut := self._cut(within, trained)) is not None:
@@ -335,7 +335,7 @@ class Windows:
             env.step()
         self._within = None
 
-    def training(self, name: str, key: Key, samples: int, end: simpy.Event | None) -> None:
+    def announce(self, name: str, key: Key, samples: int, end: simpy.Event | None) -> None:
         """A training of this rank's began: under ``stop.samples``, its ``samples`` count
         toward the budget at the event ``key`` (``end``; ``None``: it ended at once). It
         must end after the window under way, which the other ranks run without knowing of
