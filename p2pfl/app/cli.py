@@ -619,8 +619,8 @@ def _check_spread(setup: Setup, ranks: int, shard: str | None = None) -> None:
 
 
 def _check_events(setup: Setup, ranks: int) -> None:
-    """``--shard-events``: what a rank cannot decide from its own peers' events is
-    refused (:mod:`p2pfl.runtime.windows`), and the ranks need a lookahead."""
+    """``--shard-events``: the ranks need a lookahead, a latency on every link between two
+    ranks' peers (:func:`p2pfl.runtime.windows.lookahead`)."""
     from p2pfl.runtime.ranks import Ranks
     from p2pfl.runtime.windows import lookahead
 
