@@ -393,8 +393,8 @@ class SimRuntime(Interpreter):
             value, seconds = self.worker.perform(node, eff, self.env.now)
             if seconds:
                 end = self.env.timeout(seconds)
-        if isinstance(eff, Train) and self.windows is not None:  # where it counts: its end
-            env, samples = self.windows.env, self.worker.work(node, eff)[0]
+        if isinstance(eff, Train) and self.windows is not None and self.windows.budget is not None:
+            env, samples = self.windows.env, self.worker.work(node, eff)[0]  # counted at its end
             key = env.active if end is None else env.scheduled
             self.windows.announce(self.topology.name(node), key, samples, end)
         if end is not None:

@@ -336,11 +336,11 @@ class Windows:
         self._within = None
 
     def announce(self, name: str, key: Key, samples: int, end: simpy.Event | None) -> None:
-        """A training of this rank's began: under ``stop.samples``, its ``samples`` count
+        """A training of this rank's began, under ``stop.samples``: its ``samples`` count
         toward the budget at the event ``key`` (``end``; ``None``: it ended at once). It
         must end after the window under way, which the other ranks run without knowing of
         it: a window lasts at most the run's shortest training (:attr:`shortest`)."""
-        if self.budget is None or not samples:
+        if not samples:
             return
         if end is None or (self._within is not None and self._within(key)):
             raise RunError(
