@@ -248,7 +248,8 @@ def test_the_progress_bar_moves_every_round_when_only_the_last_is_scored(
 ):
     """A run scored only at its end (``eval.every`` = its rounds, as the population
     experiments are) moves its progress bar at each round a peer reaches, not from 0 to the
-    end at once: a 10⁵-peer gossip run would otherwise show 0/10 for its whole 7 minutes."""
+    end at once: a 10⁵-peer gossip run would otherwise show 0/10 for its whole 7 minutes.
+    Once full, it counts the nodes that have finished the last round."""
     from tqdm import tqdm
 
     from conftest import experiment
@@ -256,11 +257,16 @@ def test_the_progress_bar_moves_every_round_when_only_the_last_is_scored(
     from p2pfl.runtime import worker
 
     shown: list[int] = []
+    finished: list[str] = []
 
     class Recording(tqdm):  # type: ignore[type-arg]
         def update(self, n: float | None = 1) -> bool | None:
             shown.append(int(self.n + (n or 0)))
             return super().update(n)
+
+        def set_postfix_str(self, s: str = "", refresh: bool = True) -> None:
+            finished.append(s)
+            super().set_postfix_str(s, refresh)
 
     monkeypatch.setattr(worker, "tqdm", Recording)
     config = experiment(
@@ -270,6 +276,10 @@ def test_the_progress_bar_moves_every_round_when_only_the_last_is_scored(
     )
     run(build(config), tmp_path / "run", True)
     assert shown == [1, 2, 3, 4]
+    # then the count of finished nodes moves while the bar is full: the first and the last
+    # are always drawn, those between at most every FINISHED_EVERY_S
+    assert finished[0] == "1/4 nodes finished" and finished[-1] == "4/4 nodes finished"
+    assert finished == sorted(set(finished))
 
 
 def metric_rows(out: Path) -> list[dict[str, str]]:

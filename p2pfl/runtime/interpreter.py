@@ -59,6 +59,7 @@ class Interpreter:
         self.latest: dict[int, State] = {}  # each node's model as it last evaluated it
         self.round_seen = 0  # the latest round any node evaluated
         self.samples = 0  # samples trained on by the nodes this interpreter runs
+        self.nodes = 0  # how many nodes this interpreter runs (the progress bar counts them)
 
     # -- what a runtime provides ---------------------------------------------------------
     @property
@@ -120,6 +121,7 @@ class Interpreter:
         """Carry out an effect that takes no time on the run's clock; return its result."""
         if isinstance(eff, Finish):
             self.finals[node] = eff
+            self.worker.finished(len(self.finals), self.nodes)
             return None
         if isinstance(eff, Now):
             return self.clock

@@ -151,7 +151,7 @@ class SimRuntime(Interpreter):
             crash = self.network.crash_at.get(node) if self.network else None
             if crash is not None:
                 self._idle(self.env.timeout(crash)).callbacks.append(self._crasher(process, node))
-        self.alive = len(behaviours)
+        self.alive = self.nodes = len(behaviours)
         if self.windows is not None:  # after every node's, as in one process
             self.windows.env.children = roots
         if self.stop is not None and self.stop.time_s is not None:

@@ -47,6 +47,9 @@ waiting for the next flush. Each owner scores its peers at once and holds two fl
 bound as small as :data:`HELD_EVALS` would make the ranks take turns, since a round's
 evaluations come in peer order and so one rank's block after another's."""
 
+FINISHED_EVERY_S = 0.2
+"""How often, at most, the progress bar redraws its count of finished nodes."""
+
 _Group = tuple[TrainConfig, torch.device, float | None]
 """A batched group's key: the trainings' config, device and proximal ``mu``."""
 
@@ -85,6 +88,7 @@ class Worker:
             total=self.total_rounds if bounded else None, unit="round",
             disable=not progress, leave=False,
         )  # fmt: skip
+        self._finished_shown = -math.inf  # when the bar last redrew its count of finished nodes
         self._devices = {
             p: resolve_device(prof.device) for p, prof in enumerate(self.population.profiles)
         }
@@ -465,6 +469,18 @@ class Worker:
     def _advance(self, round: int) -> None:
         if round > self._bar.n:
             self._bar.update(round - self._bar.n)
+
+    def finished(self, done: int, nodes: int) -> None:
+        """Show on the bar how many of the ``nodes`` this process runs have finished. The
+        bar is full once the first node reaches the last round, but the others still
+        finish it: 10⁴ DFedAvgM peers mix and score their last round for 12 s of a 23 s
+        run, which the count shows moving."""
+        now = time.monotonic()
+        soon = done < nodes and now - self._finished_shown < FINISHED_EVERY_S
+        if self._bar.disable or not nodes or soon:
+            return
+        self._finished_shown = now
+        self._bar.set_postfix_str(f"{done:,}/{nodes:,} nodes finished")
 
     def close(self) -> None:
         self._bar.close()
