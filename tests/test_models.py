@@ -250,24 +250,38 @@ def test_average_respects_unnormalised_weights() -> None:
 def test_average_sums_in_float64_in_state_order(dtype: torch.dtype) -> None:
     """Each element is 0 + share_0 x_0 + share_1 x_1 + ... in float64 (torch's ``add_`` with
     ``alpha`` on float64 copies), in the states' order, then cast back: the bits every
-    runtime and world size must agree on (signed zeros, NaN and infinities included)."""
+    runtime and world size must agree on (signed zeros, NaN and infinities included), for
+    every tensor of a state in its order (sizes that leave scalar tails, one past torch's
+    grain for splitting over threads, an integer buffer among them)."""
     g = torch.Generator().manual_seed(3)
+    shapes = {"w": (50, 30), "b": (7,), "n": (), "c": (13, 5), "big": (33_000,), "one": ()}
     states = []
     for i in range(4):
-        w = (torch.randn(50, 30, generator=g, dtype=torch.float64) * 10.0 ** (8 * i - 12)).to(dtype)
-        w.view(-1)[:: 7 + i] = -0.0
-        w.view(-1)[5 + i :: 97] = (float("nan"), float("inf"), -float("inf"), 1e-40)[i]
-        states.append({"w": w})
+        state = {}
+        for key, shape in shapes.items():
+            if key == "n":  # an integer buffer among them, summed on its own
+                state[key] = torch.tensor(3 * i)
+                continue
+            w = torch.randn(shape, generator=g, dtype=torch.float64) * 10.0 ** (8 * i - 12)
+            w = w.to(dtype)
+            w.view(-1)[:: 7 + i] = -0.0
+            w.view(-1)[5 + i :: 97] = (float("nan"), float("inf"), -float("inf"), 1e-40)[i]
+            state[key] = w
+        states.append(state)
     weights = [0.3, 7.0, 1.0, 0.01]
     shares = [x / sum(weights) for x in weights]
-    expected = torch.zeros(50, 30, dtype=torch.float64)
-    for share, state in zip(shares, states, strict=True):
-        expected.add_(state["w"].to(torch.float64), alpha=share)
-    mean = average_states(states, weights)["w"]
-    assert mean.dtype == dtype
-    assert torch.equal(
-        mean.view(-1).view(torch.uint8), expected.to(dtype).view(-1).view(torch.uint8)
-    )
+    mean = average_states(states, weights)
+    assert list(mean) == list(shapes)
+    assert mean["n"].dtype == torch.int64 and mean["n"].item() == 3  # 27.09 / 8.31, rounded
+    for key, shape in shapes.items():
+        if key == "n":
+            continue
+        expected = torch.zeros(shape, dtype=torch.float64)
+        for share, state in zip(shares, states, strict=True):
+            expected.add_(state[key].to(torch.float64), alpha=share)
+        assert mean[key].dtype == dtype and mean[key].shape == shape
+        bits = expected.to(dtype).reshape(-1).view(torch.uint8)
+        assert torch.equal(mean[key].reshape(-1).view(torch.uint8), bits)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.int64])

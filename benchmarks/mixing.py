@@ -1,0 +1,93 @@
+"""Mixing: the time of one ``average_states`` of three states, the step every DFedAvgM peer
+takes once a round (10⁴ peers on a ring: 30,000 of them in a 3-round run).
+
+Each model's states are drawn as a pool of ``--states`` of them (more than the caches
+hold, as a population's are) and each mix takes three neighbours from it. Every case runs
+in a fresh process at one thread; ``--base DIR`` runs the same cases with the package from
+``DIR`` too, interleaved, and checks that both give the same bits.
+
+    OMP_NUM_THREADS=1 python benchmarks/mixing.py [--base /tmp/wt-old] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import ROOT, report  # noqa: E402
+
+MODELS = {
+    "mlp 784-64-10": {"name": "mlp", "hidden": [64]},
+    "logreg 784-10": {"name": "logreg"},
+    "cnn_s (BatchNorm)": {"name": "cnn_s"},
+}
+
+CHILD = """
+import hashlib, json, sys, time
+import torch
+from p2pfl.learning.models import build_model
+from p2pfl.learning.state import average_states, clone_state
+torch.set_num_threads(1)
+options, count = json.loads(sys.argv[1]), int(sys.argv[2])
+torch.manual_seed(0)
+base = clone_state(build_model(options, (1, 28, 28), 10).state_dict())
+pool = [
+    {k: v + torch.randn_like(v) if v.is_floating_point() else v.clone() for k, v in base.items()}
+    for _ in range(count)
+]
+digest = hashlib.sha256()
+start = time.perf_counter()
+for i in range(count):
+    mean = average_states([pool[i - 1], pool[i], pool[(i + 1) % count]])
+    if i < 8:
+        digest.update(b"".join(t.numpy().tobytes() for t in mean.values()))
+print(json.dumps({"us": (time.perf_counter() - start) / count * 1e6, "sha": digest.hexdigest()}))
+"""
+
+
+def mix(tree: Path, options: dict, count: int) -> dict:
+    """One process: ``count`` mixes of ``options``' model with the package in ``tree``."""
+    env = os.environ | {"PYTHONPATH": str(tree), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [sys.executable, "-c", CHILD, json.dumps(options), str(count)],
+        capture_output=True, text=True, env=env, check=True,
+    )  # fmt: skip
+    return json.loads(done.stdout)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--base", type=Path, help="also run the package from this directory")
+    parser.add_argument("--states", type=int, default=4000, help="states in each pool")
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    trees = {"this": ROOT} | ({"base": args.base.resolve()} if args.base else {})
+    rows = []
+    for label, options in MODELS.items():
+        times: dict[str, list[float]] = {tree: [] for tree in trees}
+        digests = set()
+        for _ in range(args.repeats):
+            for tree, path in trees.items():
+                got = mix(path, options, args.states)
+                times[tree].append(got["us"])
+                digests.add(got["sha"])
+        row = [label, statistics.median(times["this"])]
+        if args.base:
+            base = statistics.median(times["base"])
+            row += [base, base / row[1], "yes" if len(digests) == 1 else "NO"]
+        rows.append(row)
+    columns = ["model", "us_per_mix"]
+    if args.base:
+        columns += ["base_us_per_mix", "speedup", "same_bits"]
+    report("mixing", columns, rows, {"states": args.states, "repeats": args.repeats})
+
+
+if __name__ == "__main__":
+    main()
