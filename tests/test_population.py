@@ -28,8 +28,8 @@ import yaml
 
 from conftest import DEVICE, run_cli, run_experiment, thousand_peers
 from p2pfl.app.cli import ALLOCATOR, on_glibc
+from p2pfl.core import tensors
 from p2pfl.core.seeding import derive_seed
-from p2pfl.learning import state
 from p2pfl.learning.state import clone_state
 from p2pfl.methods.adpsgd import is_active
 from p2pfl.network import wire
@@ -103,8 +103,7 @@ def test_clone_state_is_copy_on_write_and_private():
 def _old_ways(monkeypatch: pytest.MonkeyPatch) -> None:
     """Plain clones for every message and state, every cohort in one call (before issue
     38)."""
-    monkeypatch.setattr(wire, "_LAZY", None)
-    monkeypatch.setattr(state, "_LAZY", None)
+    monkeypatch.setattr(tensors, "LAZY", None)
     monkeypatch.setattr(Worker, "divisible", lambda self, jobs: False)
 
 

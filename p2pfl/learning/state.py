@@ -9,6 +9,8 @@ from typing import cast
 import torch
 from torch import Tensor
 
+from p2pfl.core.tensors import lazy_clone
+
 State = dict[str, Tensor]
 """A model's (or any message's) named tensors, as ``nn.Module.state_dict()`` returns them."""
 
@@ -34,35 +36,9 @@ def clone_state(state: State) -> State:
     model that every one of 10⁴ peers starts from is held once until each trains
     (issue 38). Either way neither side ever sees the other's writes."""
     return {
-        k: _clone(v) if v.is_cpu and not v.requires_grad else v.detach().to("cpu", copy=True)
+        k: lazy_clone(v) if v.is_cpu and not v.requires_grad else v.detach().to("cpu", copy=True)
         for k, v in state.items()
     }
-
-
-_LAZY = getattr(torch, "_lazy_clone", None)
-"""torch's copy-on-write clone (torch >= 2.3; else every copy is a ``clone``)."""
-
-_LAZY_BYTES = 4096
-"""Smaller tensors are cloned: their copy costs less than the checks."""
-
-
-def _clone(t: Tensor) -> Tensor:
-    """``t.clone()``, copy-on-write where ``t`` is a large strided tensor that is not a view
-    and spans its storage (a lazy clone of a view would keep its whole storage alive)."""
-    if (
-        _LAZY is not None
-        and t.numel() * t.element_size() >= _LAZY_BYTES
-        and t._base is None
-        and t.layout == torch.strided
-        and t.storage_offset() == 0
-        and t.is_contiguous()
-        and t.untyped_storage().nbytes() == t.numel() * t.element_size()
-    ):
-        try:
-            return _LAZY(t)
-        except RuntimeError:  # memory torch did not allocate (numpy's, a frame's)
-            pass
-    return t.clone()
 
 
 def ghost(state: State) -> State:

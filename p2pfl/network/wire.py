@@ -31,6 +31,7 @@ from collections.abc import Iterator, Sequence
 import torch
 from crc32c import crc32c
 
+from p2pfl.core.tensors import lazy_clone
 from p2pfl.network import codecs as codec
 from p2pfl.network.codecs import Compression
 from p2pfl.network.message import KINDS, Message
@@ -294,36 +295,12 @@ def _private_copy(t: torch.Tensor) -> torch.Tensor:
     """A contiguous CPU copy of ``t`` that shares nothing with it (``clone`` when ``t`` is
     already one, outside autograd: a third of the cost of the general ``to``).
 
-    Where ``t`` is a whole CPU storage, the copy is torch's copy-on-write clone
-    (``torch._lazy_clone``): the two share their bytes until either is written to, when
-    the writer gets its own, so neither ever sees the other's changes, and a message that
-    waits in an inbox costs no second model (issue 38: 10⁴ peers each holding messages).
-    A ``meta`` tensor (a sharded run's ghost: no bytes to copy) is itself."""
+    Where ``t`` is a whole CPU storage, the copy is copy-on-write (:func:`lazy_clone`), so
+    a message that waits in an inbox costs no second model (issue 38: 10⁴ peers each
+    holding messages). A ``meta`` tensor (a sharded run's ghost: no bytes to copy) is
+    itself."""
     if t.is_meta:
         return t
     if t.is_cpu and not t.requires_grad and t.is_contiguous():
-        if _LAZY is not None and t.numel() * t.element_size() >= _LAZY_BYTES and _whole(t):
-            try:
-                return _LAZY(t)
-            except RuntimeError:  # memory torch did not allocate (numpy's, a frame's)
-                pass
-        return t.clone()
+        return lazy_clone(t)
     return t.detach().to("cpu", memory_format=torch.contiguous_format, copy=True)
-
-
-_LAZY = getattr(torch, "_lazy_clone", None)
-"""torch's copy-on-write clone (torch >= 2.3; else every copy is a ``clone``)."""
-
-_LAZY_BYTES = 4096
-"""Smaller tensors are cloned: their copy costs less than the checks."""
-
-
-def _whole(t: torch.Tensor) -> bool:
-    """Whether ``t`` (strided, contiguous) spans its storage: a lazy clone of a view would
-    keep the whole storage alive, where a ``clone`` keeps only the view's bytes."""
-    return bool(
-        t._base is None
-        and t.layout == torch.strided
-        and t.storage_offset() == 0
-        and t.untyped_storage().nbytes() == t.numel() * t.element_size()
-    )
