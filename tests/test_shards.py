@@ -161,20 +161,17 @@ def test_a_run_that_cannot_be_sharded_is_one_error_line(tmp_path, capsys, argv, 
     assert not out.exists()
 
 
-def test_a_share_that_does_not_fit_in_memory_is_one_error_line(tmp_path, capsys, monkeypatch):
+@pytest.mark.parametrize("flag", ["--shard", "--shard-events"])
+def test_a_share_that_does_not_fit_in_memory_is_one_error_line(tmp_path, capsys, monkeypatch, flag):
     """Four peers of a 68 MB model on 2 ranks: each holds 2 peers' models, up to 3 each at
-    once (408 MB), with 300 MiB free."""
+    once (408 MB), with 300 MiB free. The error names the flag the user gave."""
     monkeypatch.setattr(children, "available_memory", lambda: 300 << 20)
     big = {"model": {"name": "mlp", "hidden": [4096, 4096]}}
     out = tmp_path / "out"
-    code = main(
-        ["run", str(exp_file(tmp_path, **big)), "--out", str(out), "--workers", "2", "--shard"]
-    )
+    code = main(["run", str(exp_file(tmp_path, **big)), "--out", str(out), "--workers", "2", flag])
     err = capsys.readouterr().err
     assert code == 2 and len(err.splitlines()) == 1, err
-    assert err.startswith(
-        "error: --shard: each of 2 rank(s) on this host holds up to 2 peers' models"
-    )
+    assert err.startswith(f"error: {flag}: each of 2 rank(s) on this host holds up to 2 peers'")
     assert "0.29 GiB are free" in err
     assert not out.exists()
 
@@ -184,7 +181,8 @@ def test_a_population_that_does_not_fit_in_memory_is_one_error_line(
     tmp_path, capsys, monkeypatch, argv
 ):
     """Unsharded, every simulating process holds all four peers' models, 3 × 4 × 68 MB
-    (816 MB), with 300 MiB free: refused before anything is written, pointing at --shard."""
+    (816 MB), with 300 MiB free: refused before anything is written, pointing at
+    --shard-events."""
     monkeypatch.setattr(children, "available_memory", lambda: 300 << 20)
     big = {"model": {"name": "mlp", "hidden": [4096, 4096]}}
     out = tmp_path / "out"
@@ -193,7 +191,7 @@ def test_a_population_that_does_not_fit_in_memory_is_one_error_line(
     assert code == 2 and len(err.splitlines()) == 1, err
     each = "each of 2 processes" if argv else "this run"
     assert err.startswith(f"error: peers.count: {each} holds 4 peers' models, about 0.76 GiB")
-    assert "0.29 GiB are free: shard them over ranks (--workers N --shard" in err
+    assert "0.29 GiB are free: shard them over ranks (--workers N --shard-events" in err
     assert not out.exists()
 
 

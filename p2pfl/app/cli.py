@@ -384,7 +384,7 @@ def execute(args: argparse.Namespace, sweep: bool | None = None) -> Done:
         if spread:
             _check_spread(setup, max(args.workers, _world()[0]), shard)
         elif args.transport == "sim":
-            _check_memory(setup, 1, shard=False)
+            _check_memory(setup, 1)
         else:
             _check_nodes(setup, setup.topology.graph.number_of_nodes())
         with _ranks(args.workers, threads, setup, shard) as ranks, _claimed(out, args.force):
@@ -588,7 +588,7 @@ def _check_spread(setup: Setup, ranks: int, shard: str | None = None) -> None:
         key = "--workers" if _world()[0] == 1 else "WORLD_SIZE"
         raise ConfigError(key, f"{ranks} ranks for {peers} peers: at most one rank per peer")
     if not shard:
-        _check_memory(setup, ranks, shard=False)
+        _check_memory(setup, ranks)
         return
     every = {  # the run's model every so often (--shard-events: a collective at each probe)
         "eval.every_s": setup.eval.every_s is not None and shard == "shard",
@@ -615,7 +615,7 @@ def _check_spread(setup: Setup, ranks: int, shard: str | None = None) -> None:
             f"the whole group, whose peers the ranks split; leave out peers.batched or --{shard}",
         )
 
-    _check_memory(setup, ranks, shard=True)
+    _check_memory(setup, ranks, shard)
 
 
 def _check_events(setup: Setup, ranks: int) -> None:
@@ -627,11 +627,11 @@ def _check_events(setup: Setup, ranks: int) -> None:
     lookahead(setup.topology, Ranks(0, ranks), setup.network)
 
 
-def _check_memory(setup: Setup, ranks: int, shard: bool) -> None:
-    """Each simulating process on this host holds its peers' models (``shard``: its share
-    of them, else all), up to :data:`SHARD_MODELS` per peer at once: a population that this
-    host's free memory cannot hold is refused before anything is written, not killed by the
-    kernel halfway."""
+def _check_memory(setup: Setup, ranks: int, shard: str | None = None) -> None:
+    """Each simulating process on this host holds its peers' models (sharded, ``shard``
+    naming the flag: its share of them; else all), up to :data:`SHARD_MODELS` per peer at
+    once: a population that this host's free memory cannot hold is refused before anything
+    is written, not killed by the kernel halfway."""
     from p2pfl.learning.state import state_bytes
     from p2pfl.runtime.children import available_memory
 
@@ -646,7 +646,7 @@ def _check_memory(setup: Setup, ranks: int, shard: bool) -> None:
         return
     if shard:
         raise ConfigError(
-            "--shard",
+            f"--{shard}",
             f"each of {local} rank(s) on this host holds up to {share:,} peers' models, about "
             f"{need / 2**30:.2f} GiB at {SHARD_MODELS} models per peer; {free / 2**30:.2f} GiB "
             "are free: use more ranks or hosts, or fewer peers",
@@ -656,7 +656,7 @@ def _check_memory(setup: Setup, ranks: int, shard: bool) -> None:
         "peers.count",
         f"{each} holds {peers:,} peers' models, about {need / 2**30:.2f} GiB at "
         f"{SHARD_MODELS} models per peer; {free / 2**30:.2f} GiB are free: shard them over "
-        "ranks (--workers N --shard, or torchrun on several hosts) or use fewer peers",
+        "ranks (--workers N --shard-events, or torchrun on several hosts) or use fewer peers",
     )
 
 
