@@ -253,7 +253,7 @@ def test_the_progress_bar_moves_every_round_when_only_the_last_is_scored(
 
     from conftest import experiment
     from p2pfl.app.experiment import build, run
-    from p2pfl.runtime import worker
+    from p2pfl.runtime import interpreter
 
     shown: list[int] = []
     finished: list[str] = []
@@ -267,7 +267,7 @@ def test_the_progress_bar_moves_every_round_when_only_the_last_is_scored(
             finished.append(s)
             super().set_postfix_str(s, refresh)
 
-    monkeypatch.setattr(worker, "tqdm", Recording)
+    monkeypatch.setattr(interpreter, "tqdm", Recording)
     config = experiment(
         topology={"kind": "ring"},
         algorithm={"name": algorithm, "rounds": 4},

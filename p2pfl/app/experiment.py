@@ -45,6 +45,7 @@ from p2pfl.reporting.progress import time_to_accuracy
 from p2pfl.reporting.reporters import Reporter, open_reporters
 from p2pfl.runtime import children
 from p2pfl.runtime.children import Forked, take_standby
+from p2pfl.runtime.interpreter import ProgressBar
 from p2pfl.runtime.launcher import NodeFiles, gather, launch
 from p2pfl.runtime.ranks import Ranks
 from p2pfl.runtime.setup import Setup
@@ -298,7 +299,7 @@ def _simulate(
             shards = Shards(ranks, setup.topology.num_peers)
     ledger = Ledger(out / "comm.csv", fates=setup.network is not None)
     rows = metrics if windows is None else KeptRows(windows, metrics)
-    worker = Worker(setup, rows, out, progress, None if windows else ranks, shards)
+    worker = Worker(setup, rows, out, None if windows else ranks, shards)
     if windows is not None:  # rank 0 keeps the baselines and writes the artifacts, in order
         worker.baseline = windows.writer(worker.baseline)
         worker.save_artifact = windows.writer(worker.save_artifact)
@@ -307,6 +308,8 @@ def _simulate(
         setup.compression, setup.network, setup.population.uplink, setup.stop,
         setup.eval.every_s, shards, windows,
     )  # fmt: skip
+    rounds = worker.total_rounds if setup.stop is None else None  # a stop: may come any time
+    runtime.bar = ProgressBar(rounds, progress)
     try:
         contexts = setup.contexts(shards.mine if shards else None)
         behaviours = {
@@ -331,7 +334,7 @@ def _simulate(
             raise
         raise RunError(f"at t={runtime.now:.3f}s: {reason(e)}") from e
     finally:
-        worker.close()
+        runtime.bar.close()
         ledger.close()
         if setup.network is not None:
             save_availability(setup.network, runtime.now, out)

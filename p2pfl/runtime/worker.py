@@ -15,7 +15,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
 from p2pfl.core.errors import RunError
 from p2pfl.core.seeding import torch_generator
@@ -47,9 +46,6 @@ waiting for the next flush. Each owner scores its peers at once and holds two fl
 bound as small as :data:`HELD_EVALS` would make the ranks take turns, since a round's
 evaluations come in peer order and so one rank's block after another's."""
 
-FINISHED_EVERY_S = 0.2
-"""How often, at most, the progress bar redraws its count of finished nodes."""
-
 _Group = tuple[TrainConfig, torch.device, float | None]
 """A batched group's key: the trainings' config, device and proximal ``mu``."""
 
@@ -62,7 +58,6 @@ class Worker:
         setup: Setup,
         metrics: Reporter,
         out: Path | None = None,
-        progress: bool = False,
         ranks: Ranks | None = None,
         shards: Shards | None = None,
     ) -> None:
@@ -83,12 +78,6 @@ class Worker:
         # what a Report and an Artifact leave (--shard-events: kept, for rank 0 to write)
         self.baseline: Callable[[str, float], None] = self.baselines.__setitem__
         self.save_artifact: Callable[[str, list[Any], str, str], None] = self._save_artifact
-        bounded = setup.stop is None  # a stop: section's rounds may be unbounded
-        self._bar = tqdm(
-            total=self.total_rounds if bounded else None, unit="round",
-            disable=not progress, leave=False,
-        )  # fmt: skip
-        self._finished_shown = -math.inf  # when the bar last redrew its count of finished nodes
         self._devices = {
             p: resolve_device(prof.device) for p, prof in enumerate(self.population.profiles)
         }
@@ -382,10 +371,7 @@ class Worker:
 
     def evaluate(self, node: int, eff: Evaluate, now: float) -> tuple[float, float] | None:
         """Score on the global test set when the round is due (``eval.every``, and the last)
-        and the peer is in ``eval.peers``' sample. The progress bar moves at every round a
-        peer reaches, due or not: a run scored only at its end would otherwise show no
-        progress until then."""
-        self._advance(eff.round)
+        and the peer is in ``eval.peers``' sample."""
         if eff.round % self.eval_every and eff.round != self.total_rounds:
             return None
         if self.scored is not None and node < self.topology.num_peers and node not in self.scored:
@@ -465,22 +451,3 @@ class Worker:
                 value = scores[value[0]][value[1]]
             self.metrics.log(now, round, peer, metric, value)
         self._rows = []
-
-    def _advance(self, round: int) -> None:
-        if round > self._bar.n:
-            self._bar.update(round - self._bar.n)
-
-    def finished(self, done: int, nodes: int) -> None:
-        """Show on the bar how many of the ``nodes`` this process runs have finished. The
-        bar is full once the first node reaches the last round, but the others still
-        finish it: 10⁴ DFedAvgM peers mix and score their last round for 12 s of a 23 s
-        run, which the count shows moving."""
-        now = time.monotonic()
-        soon = done < nodes and now - self._finished_shown < FINISHED_EVERY_S
-        if self._bar.disable or not nodes or soon:
-            return
-        self._finished_shown = now
-        self._bar.set_postfix_str(f"{done:,}/{nodes:,} nodes finished")
-
-    def close(self) -> None:
-        self._bar.close()
