@@ -187,6 +187,35 @@ def test_cost_and_sweep_charts_are_valid(tmp_path):
     assert all(valid(p) for p in written)
 
 
+def test_long_bar_names_are_numbered_with_a_legend_and_leave_the_panels_their_height():
+    """A sweep over mappings names its lines with 90 characters: slanted under the bars they
+    collapsed the panels (matplotlib warned, and cut them off); numbered, with a legend
+    below, the panels keep most of the figure. Short names stay under their bars."""
+    import io
+    import warnings
+
+    from matplotlib.figure import Figure
+
+    long = [f"adpsgd_reply_timeout_s-1.0 · count-16_flops_per_s-300000000.0_case-{i}" * 2
+            for i in range(6)]  # fmt: skip
+    for names, ticks in ((long, [str(i) for i in range(1, 7)]), (["a", "b"], ["a", "b"])):
+        fig = Figure(figsize=(9, 4.8), layout="constrained")
+        plots.bar_panels(fig, names, [("t", [1.0] * len(names), [0.1] * len(names))])
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # "constrained_layout not applied ..." fails here
+            fig.savefig(io.BytesIO(), format="png")
+        (ax,) = fig.axes
+        assert [t.get_text() for t in ax.get_xticklabels()] == ticks
+        assert ax.get_position().height > 0.4  # of the figure's height
+        legends = fig.legends
+        if names is long:
+            assert [t.get_text() for t in legends[0].get_texts()] == [
+                f"{i}: {name}" for i, name in enumerate(long, 1)
+            ]
+        else:
+            assert not legends
+
+
 def test_a_heatmap_of_a_thousand_peers_stays_a_readable_size(tmp_path):
     """Beyond 60 rows the figure stops growing (1,000 peers once made a 40,000-pixel PNG
     with 1,000 tick labels, seconds of every large run); a small one keeps a tick a row."""

@@ -45,6 +45,7 @@ from matplotlib import colormaps
 from matplotlib.cm import ScalarMappable
 from matplotlib.colors import Normalize
 from matplotlib.figure import Figure
+from matplotlib.patches import Patch
 from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator, NullFormatter
 
 from p2pfl.core.errors import ConfigError
@@ -578,17 +579,39 @@ def plot_progress(paths: list[Path], out: Path, axes: list[str]) -> list[Path]:
     return [p for stem, fig in drawn.items() for p in save(fig, out, stem)]
 
 
+LONG_NAME = 28
+"""Bar names longer than this are numbered under the bars and spelled out in a legend below:
+slanted under the bars, the names of a sweep over mappings (``algorithm: [{name: adpsgd,
+reply_timeout_s: 1.0}, ...]``, 90 characters each) left the panels no height and were cut
+off at the figure's edge."""
+
+
 def bar_panels(
     fig: Figure, names: list[str], panels: list[tuple[str, list[float], list[float]]]
 ) -> None:
-    """One bar per name in each (title, values, errors) panel."""
-    axes = fig.subplots(1, len(panels))
+    """One bar per name in each (title, values, errors) panel; names longer than
+    :data:`LONG_NAME` are numbered, with a legend below (the figure grows to hold it)."""
+    axes = fig.subplots(1, len(panels), squeeze=False)[0]
     x = np.arange(len(names))
+    colors = colormaps["tab10"](x % 10)
+    numbered = max(len(name) for name in names) > LONG_NAME
     for ax, (title, values, errors) in zip(axes, panels, strict=True):
-        ax.bar(x, values, yerr=errors, capsize=3, color=colormaps["tab10"](x % 10))
-        ax.set_xticks(x, names, rotation=60, ha="right", fontsize=7)
+        ax.bar(x, values, yerr=errors, capsize=3, color=colors)
+        if numbered:
+            ax.set_xticks(x, [str(i + 1) for i in x], fontsize=8)
+        else:
+            ax.set_xticks(x, names, rotation=60, ha="right", fontsize=7)
         ax.set_title(title, fontsize=10)
         ax.grid(axis="y", alpha=0.3)
+    if numbered:
+        columns = 1 if len(names) <= 8 else 2
+        width, height = fig.get_size_inches()
+        fig.set_size_inches(width, height + 0.18 * -(-len(names) // columns))
+        fig.legend(
+            [Patch(facecolor=color) for color in colors],
+            [f"{i + 1}: {name}" for i, name in enumerate(names)],
+            loc="outside lower center", ncols=columns, fontsize=7,
+        )  # fmt: skip
 
 
 def sweep_chart(keys: list[str], rows: list[dict[str, Any]], out: Path) -> list[Path]:
