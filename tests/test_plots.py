@@ -200,13 +200,14 @@ def test_long_bar_names_are_numbered_with_a_legend_and_leave_the_panels_their_he
             for i in range(6)]  # fmt: skip
     for names, ticks in ((long, [str(i) for i in range(1, 7)]), (["a", "b"], ["a", "b"])):
         fig = Figure(figsize=(9, 4.8), layout="constrained")
-        plots.bar_panels(fig, names, [("t", [1.0] * len(names), [0.1] * len(names))])
+        panel = ("t", [1.0] * len(names), [0.1] * len(names))
+        plots.bar_panels(fig, names, [panel] * 3)  # as sweep.png draws them
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # "constrained_layout not applied ..." fails here
             fig.savefig(io.BytesIO(), format="png")
-        (ax,) = fig.axes
-        assert [t.get_text() for t in ax.get_xticklabels()] == ticks
-        assert ax.get_position().height > 0.4  # of the figure's height
+        for ax in fig.axes:
+            assert [t.get_text() for t in ax.get_xticklabels()] == ticks
+            assert ax.get_position().height > 0.4  # of the figure's height
         legends = fig.legends
         if names is long:
             assert [t.get_text() for t in legends[0].get_texts()] == [
@@ -214,6 +215,9 @@ def test_long_bar_names_are_numbered_with_a_legend_and_leave_the_panels_their_he
             ]
         else:
             assert not legends
+    one = Figure(figsize=(4, 3), layout="constrained")
+    plots.bar_panels(one, ["a"], [("t", [1.0], [0.0])])  # a single panel is one Axes
+    assert len(one.axes) == 1
 
 
 def test_a_heatmap_of_a_thousand_peers_stays_a_readable_size(tmp_path):
