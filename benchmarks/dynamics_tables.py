@@ -73,8 +73,8 @@ def churn_table(root: Path, budget: float) -> None:
             final = [s["final"]["accuracy"] for _, s in members]
             base = statistics.fmean(final) if base is None else base
             curves = [curve(r)[0] for r, _ in members]
-            at_t = [c[c[:, 3] <= budget + 1e-9][-1, 1] for c in curves]
-            ends = [float(c[-1, 3]) for c in curves]
+            at_t = [c[c[:, 2] <= budget + 1e-9][-1, 1] for c in curves]
+            ends = [float(c[-1, 2]) for c in curves]
             share = [delivered_share(r) for r, _ in members]
             change = statistics.fmean(final) - base
             print(f"| {title} | {float(level):.0%} | {pm(final)} | {change:+.3f} | {pm(at_t)} "

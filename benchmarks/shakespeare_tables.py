@@ -19,9 +19,11 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
+import numpy as np
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from p2pfl.reporting.plots import curve, read_run  # noqa: E402
+from p2pfl.reporting.plots import curve, read_run, series  # noqa: E402
 
 ROUNDS = (5, 10, 20)
 
@@ -38,11 +40,12 @@ def main() -> None:
     parser.add_argument("--sweep", type=Path, default=Path("runs/shakespeare-sweep"))
     parser.add_argument("--targets", type=float, nargs="*", default=[0.25, 0.3])
     args = parser.parse_args()
-    cells: dict[str, list[tuple[dict, object]]] = defaultdict(list)
+    cells: dict[str, list[tuple[dict, np.ndarray, np.ndarray]]] = defaultdict(list)
     for cell in sorted(p for p in args.sweep.iterdir() if (p / "summary.json").is_file()):
         summary = json.loads((cell / "summary.json").read_text())
         if summary.get("status") == "ok":
-            cells[summary["algorithm"]].append((summary, curve(read_run(cell))[0]))
+            run = read_run(cell)
+            cells[summary["algorithm"]].append((summary, curve(run)[0], series(run)[0]))
     head = ["method", "seeds", *(f"acc @ round {r}" for r in ROUNDS), "final (output model)"]
     head += ["MB / round", "MB in all", *(f"MB to {t:g}" for t in args.targets)]
     print("| " + " | ".join(head) + " |")
@@ -53,14 +56,14 @@ def main() -> None:
             continue
         row = [method, str(len(runs))]
         for r in ROUNDS:
-            row.append(spread([float(c[c[:, 0] == r][0, 1]) for _, c in runs]))
-        row.append(spread([s["final"]["accuracy"] for s, _ in runs]))
-        total = [s["comm"]["total_bytes"] / 1e6 for s, _ in runs]
-        rounds = [int(c[-1, 0]) for _, c in runs]
+            row.append(spread([float(c[c[:, 0] == r][0, 1]) for _, c, _ in runs]))
+        row.append(spread([s["final"]["accuracy"] for s, _, _ in runs]))
+        total = [s["comm"]["total_bytes"] / 1e6 for s, _, _ in runs]
+        rounds = [int(c[-1, 0]) for _, c, _ in runs]
         row.append(spread([t / n for t, n in zip(total, rounds, strict=True)], 2))
         row.append(spread(total, 1))
         for target in args.targets:
-            reached = [c[c[:, 1] >= target] for _, c in runs]
+            reached = [t[t[:, 1] >= target] for _, _, t in runs]
             if all(len(x) for x in reached):
                 row.append(spread([float(x[0, 2]) / 1e6 for x in reached], 1))
             else:

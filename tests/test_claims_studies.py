@@ -157,11 +157,11 @@ def churn_cells(tmp_path: Path, method: str) -> dict[tuple[str, str], dict[str, 
     out = {}
     for key, (summary, path) in got.items():
         points = curve(read_run(path))[0]
-        at_budget = points[points[:, 3] <= BUDGET_S + 1e-9][-1, 1]
+        at_budget = points[points[:, 2] <= BUDGET_S + 1e-9][-1, 1]
         out[key] = {
             "final": summary["final"]["accuracy"],
             "at_20s": float(at_budget),
-            "ends": float(points[-1, 3]),
+            "ends": float(points[-1, 2]),
         }
     return out
 

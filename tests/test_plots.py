@@ -146,17 +146,83 @@ def test_curves_average_peers_and_count_delivered_bytes(runs):
     run = plots.read_run(runs["dfedavgm"])
     points, per_peer = plots.curve(run)
     assert per_peer
-    for rnd, acc, delivered, _ in points:
+    for rnd, acc, when in points:
         logged = [
-            float(r["value"]) for r in run.metrics
+            (float(r["value"]), float(r["time"])) for r in run.metrics
             if r["metric"] == "accuracy" and r["peer"] != "final" and int(r["round"]) == rnd
         ]  # fmt: skip
-        assert len(logged) == 4 and acc == pytest.approx(sum(logged) / 4)
+        assert len(logged) == 4 and acc == pytest.approx(sum(a for a, _ in logged) / 4)
+        assert when == max(t for _, t in logged)
+    series, source = plots.series(run)  # a synchronous run's: its rounds in order
+    assert source == "peers" and series[:, [3, 1, 0]].tolist() == points.tolist()
+    for rnd, delivered in zip(points[:, 0], series[:, 2], strict=True):
         assert delivered == sum(int(r["bytes"]) for r in run.comm if int(r["round"]) <= rnd)
     fedavg, per_peer = plots.curve(plots.read_run(runs["fedavg"]))
     assert not per_peer and list(fedavg[:, 0]) == [1, 2]
     comm = rows(runs["fedavg"] / "comm.csv")
-    assert fedavg[0, 2] == sum(int(r["bytes"]) for r in comm if r["round"] == "1")
+    first = plots.series(plots.read_run(runs["fedavg"]))[0][0]
+    assert first[2] == sum(int(r["bytes"]) for r in comm if r["round"] == "1")
+
+
+def test_an_asynchronous_run_is_drawn_forward_in_time(tmp_path):
+    """AD-PSGD with one peer 10x slower, the run's model scored every 0.25 s: the slow
+    peer's round 2 ends after the fast peers' round 20, so rounds are out of time order.
+    Against time and bytes the figures draw the run's series (the one time_to_accuracy
+    reads), forward in time; against rounds, the peers' means without the probes."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    run_experiment(
+        tmp_path / "run", model={"name": "mlp", "hidden": [8]}, topology={"kind": "ring"},
+        peers={"count": 4, "flops_per_s": 1e7, "slow_fraction": 0.25, "slow_factor": 0.1},
+        algorithm={"name": "adpsgd"}, stop={"time_s": 3.0},
+        eval={"every": 1, "per_peer": False, "every_s": 0.25},
+    )  # fmt: skip
+    torch.set_num_threads(threads)
+    run = plots.read_run(tmp_path / "run")
+    points, _ = plots.curve(run)
+    assert (np.diff(points[:, 2]) < 0).any()  # the case: a round ends before an earlier one
+    probes = [
+        (float(r["time"]), float(r["value"])) for r in run.metrics
+        if r["metric"] == "accuracy" and r["peer"] == "run"
+    ]  # fmt: skip
+    series, source = plots.series(run)
+    assert source == "run" and series[:, :2].tolist() == [list(p) for p in probes]
+    assert len(probes) == 11 and (np.diff(series[:, 0]) > 0).all()
+    assert (np.diff(series[:, 2]) >= 0).all() and series[-1, 2] > 0
+    fig = plots.accuracy_figure(plots.expand([tmp_path / "run"]))
+    rounds, by_bytes, by_time = (ax.get_lines()[0] for ax in fig.axes[:3])
+    assert list(rounds.get_xdata()) == list(points[:, 0])  # every round, probes left out
+    assert list(rounds.get_ydata()) == list(points[:, 1])
+    assert list(by_time.get_xdata()) == list(series[:, 0])
+    assert list(by_bytes.get_xdata()) == list(series[:, 2] / 1e6)
+    assert "the run's model" in fig.legends[0].get_texts()[0].get_text()
+    assert plots.mean_series([run, run])[0].tolist() == series.tolist()
+
+
+def test_a_line_averages_its_runs_round_by_round_or_probe_by_probe():
+    """Seeds of an asynchronous run end their rounds at different times: a line's point is
+    a round's (or a probe time's) mean over its runs, over what every run has, drawn in the
+    order of the mean times."""
+
+    def run(*points: tuple[float, int, str, float]) -> plots.Run:
+        metrics = [
+            {"time": t, "round": k, "peer": peer, "metric": "accuracy", "value": v}
+            for t, k, peer, v in points
+        ]
+        comm = [{"src": "0", "dst": "1", "bytes": 10, "arrival": 1.0}]
+        return plots.Run(Path("."), {}, metrics, comm)  # type: ignore[arg-type]
+
+    a = run((1.0, 1, "0", 0.2), (3.0, 1, "1", 0.4), (2.0, 2, "0", 0.5), (4.0, 2, "1", 0.7))
+    b = run((1.0, 1, "0", 0.4), (1.0, 1, "1", 0.4), (2.0, 2, "0", 0.6), (2.0, 2, "1", 0.6),
+            (2.5, 3, "0", 0.9), (2.5, 3, "1", 0.9))  # fmt: skip
+    mean, source = plots.mean_series([a, b])
+    assert source == "peers"  # rounds 1 and 2: (3 + 1) / 2 s and (4 + 2) / 2 s
+    assert mean.ravel().tolist() == pytest.approx([2.0, 0.35, 10.0, 1.0, 3.0, 0.6, 10.0, 2.0])
+    probes = run((0.5, 3, "run", 0.1), (1.0, 9, "run", 0.3), (0.5, 1, "0", 0.9))
+    later = run((0.5, 1, "run", 0.3), (1.0, 2, "run", 0.5), (1.5, 4, "run", 0.9))
+    mean, source = plots.mean_series([probes, later])
+    assert source == "run"
+    assert mean[:, :3].ravel().tolist() == pytest.approx([0.5, 0.2, 0.0, 1.0, 0.4, 10.0])
 
 
 def test_traffic_counts_every_byte_on_its_link(runs):

@@ -5,16 +5,18 @@ stands for its finished cells, and cells that differ only in ``seed`` form one l
 mean over those runs). It writes:
 
 - ``accuracy``: test accuracy against round, against bytes delivered and against simulated
-  time. A round's point is the mean of the accuracies logged for that round (one per peer
-  for decentralized methods: the legend then says "mean over peers"), at the last of their
-  times, with the bytes of every message that had arrived by then.
+  time. Against round, a round's point is the mean of the accuracies logged for that round
+  (one per peer for decentralized methods: the legend then says "mean over peers").
+  Against time and bytes, the points are the run's accuracy series, the one
+  ``time_to_accuracy`` reads (see below), in time order, with the bytes of every message
+  that had arrived by then; a line's runs are averaged point by point.
 - ``traffic``: each line's topology, every link drawn with width and colour by the bytes it
   carried (both directions; the mean over a line's runs), from ``comm.csv`` and
   ``config.yaml``.
 - ``partition-I``: the samples-per-class heat-map of every distinct partition (I = 1, 2, ...;
   the title names the first run that has it).
 - ``availability`` (when a run has a ``network:`` section, which writes
-  ``availability.csv``): test accuracy against simulated time on top and, under it on the
+  ``availability.csv``): the accuracy series against simulated time on top and, under it on the
   same time axis, the number of peers online (a step function of the online intervals; the
   mean over a line's runs; every peer for a run without the section).
 
@@ -32,6 +34,7 @@ from __future__ import annotations
 import csv
 import functools
 import json
+import math
 from bisect import bisect_right
 from collections import defaultdict
 from collections.abc import Callable, Mapping
@@ -209,26 +212,19 @@ def expand(paths: list[Path]) -> list[tuple[str, list[Run]]]:
 
 
 def curve(run: Run) -> tuple[np.ndarray, bool]:
-    """Per evaluated round: [round, mean accuracy, bytes delivered, time]; and whether
-    several peers were averaged in a round."""
+    """Per evaluated round: [round, mean accuracy, time of the round's last evaluation]; and
+    whether several peers were averaged in a round. The run's model's ``eval.every_s``
+    probes are not a round's: they are left out."""
     points: dict[int, list[tuple[float, float]]] = defaultdict(list)
     for r in run.metrics:
-        if r["metric"] == "accuracy" and r["peer"] != "final":
+        if r["metric"] == "accuracy" and r["peer"] not in ("final", "run"):
             points[int(r["round"])].append((float(r["value"]), float(r["time"])))
-    arrivals = sorted(
-        (float(r["arrival"]), int(r["bytes"]))
-        for r in run.comm
-        if r.get("fate", "delivered") == "delivered"  # lost ones never arrived
-    )
-    times = [a for a, _ in arrivals]
-    delivered = np.concatenate([[0], np.cumsum([b for _, b in arrivals])])
     out = []
     for rnd in sorted(points):
         acc, when = zip(*points[rnd], strict=True)
-        t = max(when)
-        out.append([rnd, float(np.mean(acc)), delivered[bisect_right(times, t)], t])
+        out.append([rnd, math.fsum(acc) / len(acc), max(when)])  # as accuracy_series
     per_peer = any(len(p) > 1 for p in points.values())
-    return np.array(out, dtype=float).reshape(-1, 4), per_peer
+    return np.array(out, dtype=float).reshape(-1, 3), per_peer
 
 
 def mean_curve(runs: list[Run]) -> tuple[np.ndarray, bool]:
@@ -237,6 +233,35 @@ def mean_curve(runs: list[Run]) -> tuple[np.ndarray, bool]:
     common = set.intersection(*(set(c[:, 0]) for c, _ in curves))
     rows = [c[np.isin(c[:, 0], sorted(common))] for c, _ in curves]
     return np.mean(rows, axis=0), any(p for _, p in curves)
+
+
+def series(run: Run) -> tuple[np.ndarray, str]:
+    """The run's accuracy series before its final score (:func:`accuracy_series`, the one
+    ``time_to_accuracy`` reads), in time order, as [time, accuracy, bytes delivered by then,
+    round]; and its source (``run``, ``server`` or ``peers``)."""
+    points, source = accuracy_series(r for r in run.metrics if r["peer"] != "final")
+    arrivals = sorted(
+        (float(r["arrival"]), int(r["bytes"]))
+        for r in run.comm
+        if r.get("fate", "delivered") == "delivered"  # lost ones never arrived
+    )
+    times = [a for a, _ in arrivals]
+    delivered = np.concatenate([[0], np.cumsum([b for _, b in arrivals])])
+    out = [[p.time, p.accuracy, delivered[bisect_right(times, p.time)], p.round] for p in points]
+    return np.array(out, dtype=float).reshape(-1, 4), source
+
+
+def mean_series(runs: list[Run]) -> tuple[np.ndarray, str]:
+    """The runs' series averaged point by point, in the order of their mean times: the
+    probes of ``eval.every_s`` over the times every run has (they fall at the same times
+    in each), else a round's points over the rounds every run has; and the source."""
+    got = [series(r) for r in runs]
+    source = got[0][1]
+    key = 0 if source == "run" else 3
+    common = sorted(set.intersection(*(set(s[:, key]) for s, _ in got)))
+    kept = [s[np.isin(s[:, key], common)] for s, _ in got]
+    mean = np.mean([s[np.argsort(s[:, key], kind="stable")] for s in kept], axis=0)
+    return mean[np.argsort(mean[:, 0], kind="stable")], source
 
 
 def save(fig: Figure, out: Path, stem: str) -> list[Path]:
@@ -261,14 +286,17 @@ def accuracy_figure(lines: list[tuple[str, list[Run]]]) -> Figure:
     delivered = False  # any bytes at all: a log axis needs a positive value
     for i, (name, runs) in enumerate(lines):
         c, per_peer = mean_curve(runs)
+        s, source = mean_series(runs)
         notes = ([peers_mean(runs[0])] if per_peer else []) + (
-            [f"mean of {len(runs)} runs"] if len(runs) > 1 else []
+            [f"against time and bytes: {SOURCES['run']}"] if source == "run" else []
         )
+        notes += [f"mean of {len(runs)} runs"] if len(runs) > 1 else []
         text = f"{name} ({', '.join(notes)})" if notes else name
         style = {"linestyle": LINES[i % len(LINES)], "marker": MARKERS[i % len(MARKERS)]}
-        for ax, x in zip(axes, (c[:, 0], c[:, 2] / 1e6, c[:, 3]), strict=True):
-            ax.plot(x, c[:, 1], markersize=3, label=text, **style)
-        delivered |= bool((c[:, 2] > 0).any())
+        axes[0].plot(c[:, 0], c[:, 1], markersize=3, label=text, **style)
+        for ax, x in zip(axes[1:], (s[:, 2] / 1e6, s[:, 0]), strict=True):
+            ax.plot(x, s[:, 1], markersize=3, **style)
+        delivered |= bool((s[:, 2] > 0).any())
     axes[0].set(xlabel="round", ylabel="test accuracy")
     axes[0].xaxis.set_major_locator(MaxNLocator(integer=True))
     if delivered:
@@ -448,10 +476,13 @@ def availability_figure(lines: list[tuple[str, list[Run]]]) -> Figure:
     top, bottom = fig.subplots(2, 1, sharex=True, height_ratios=[2, 1])
     counts = set()
     for i, (name, runs) in enumerate(lines):
-        c, _ = mean_curve(runs)
-        text = f"{name} (mean of {len(runs)} runs)" if len(runs) > 1 else name
+        s, source = mean_series(runs)
+        notes = ([SOURCES["run"]] if source == "run" else []) + (
+            [f"mean of {len(runs)} runs"] if len(runs) > 1 else []
+        )
+        text = f"{name} ({', '.join(notes)})" if notes else name
         style = {"linestyle": LINES[i % len(LINES)], "color": f"C{i % 10}"}
-        top.plot(c[:, 3], c[:, 1], marker=MARKERS[i % len(MARKERS)], markersize=3, label=text,
+        top.plot(s[:, 0], s[:, 1], marker=MARKERS[i % len(MARKERS)], markersize=3, label=text,
                  **style)  # fmt: skip
         times, online = online_curve(runs)
         bottom.plot(times, online, drawstyle="steps-post", linewidth=1.2, **style)
