@@ -139,7 +139,25 @@ def test_a_run_that_sent_nothing_is_drawn_without_a_log_axis(runs, tmp_path):
         warnings.simplefilter("error")
         fig = plots.accuracy_figure(plots.expand([run]))
     assert fig.axes[1].get_xscale() == "linear"
+    assert list(fig.axes[1].get_lines()[0].get_xdata()) == [0.0, 0.0]  # drawn at 0
     assert plots.accuracy_figure(plots.expand([runs["fedavg"]])).axes[1].get_xscale() == "log"
+
+
+def test_a_point_before_any_byte_is_left_out_of_the_log_axis():
+    """On the log axis a point at 0 bytes is a gap: a segment to it would run in from the
+    far left, a level the curve never had."""
+    metrics = [
+        {"time": t, "round": k, "peer": "0", "metric": "accuracy", "value": v}
+        for t, k, v in ((1.0, 1, 0.2), (2.0, 2, 0.5), (3.0, 3, 0.6))
+    ]
+    comm = [{"src": "0", "dst": "1", "bytes": 10**6, "arrival": 1.5}]
+    run = plots.Run(Path("."), {}, metrics, comm)  # type: ignore[arg-type]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fig = plots.accuracy_figure([("one", [run])])
+    x = fig.axes[1].get_lines()[0].get_xdata()
+    assert np.isnan(x[0]) and list(x[1:]) == [1.0, 1.0]
+    assert list(fig.axes[2].get_lines()[0].get_xdata()) == [1.0, 2.0, 3.0]
 
 
 def test_curves_average_peers_and_count_delivered_bytes(runs):

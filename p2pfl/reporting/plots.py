@@ -300,6 +300,9 @@ def accuracy_figure(lines: list[tuple[str, list[Run]]]) -> Figure:
     axes[0].set(xlabel="round", ylabel="test accuracy")
     axes[0].xaxis.set_major_locator(MaxNLocator(integer=True))
     if delivered:
+        for line in axes[1].get_lines():  # a gap, not a segment from far left, before 0 bytes
+            x = np.asarray(line.get_xdata(), dtype=float)
+            line.set_xdata(np.where(x > 0, x, np.nan))
         axes[1].set(xlabel="bytes delivered (MB, log scale; 0 not shown)", xscale="log")
         axes[1].xaxis.set_major_locator(LogLocator(subs=(1, 2, 5)))  # labelled 1-2-5 steps
         axes[1].xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
