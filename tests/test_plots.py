@@ -150,14 +150,19 @@ def test_a_point_before_any_byte_is_left_out_of_the_log_axis():
         {"time": t, "round": k, "peer": "0", "metric": "accuracy", "value": v}
         for t, k, v in ((1.0, 1, 0.2), (2.0, 2, 0.5), (3.0, 3, 0.6))
     ]
-    comm = [{"src": "0", "dst": "1", "bytes": 10**6, "arrival": 1.5}]
-    run = plots.Run(Path("."), {}, metrics, comm)  # type: ignore[arg-type]
+    comm = [{"time": 1.5, "src": "0", "dst": "1", "bytes": 10**6, "arrival": 1.5}]
+    config = {"eval": {"targets": [0.5]}}
+    run = plots.Run(Path("."), config, metrics, comm)  # type: ignore[arg-type]
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         fig = plots.accuracy_figure([("one", [run])])
+        sent = plots.progress_figure([("one", [run])], "bytes").axes[0]
     x = fig.axes[1].get_lines()[0].get_xdata()
     assert np.isnan(x[0]) and list(x[1:]) == [1.0, 1.0]
     assert list(fig.axes[2].get_lines()[0].get_xdata()) == [1.0, 2.0, 3.0]
+    x = sent.get_lines()[0].get_xdata()  # p2pfl plot --x bytes: bytes sent, the same axis
+    assert sent.get_xscale() == "log" and np.isnan(x[0]) and list(x[1:]) == [1.0, 1.0]
+    assert list(sent.get_lines()[1].get_xdata()) == [0, 1]  # the target's line, end to end
 
 
 def test_curves_average_peers_and_count_delivered_bytes(runs):

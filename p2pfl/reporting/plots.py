@@ -45,6 +45,7 @@ from typing import Any
 import networkx as nx
 import numpy as np
 from matplotlib import colormaps
+from matplotlib.axes import Axes
 from matplotlib.cm import ScalarMappable
 from matplotlib.colors import Normalize
 from matplotlib.figure import Figure
@@ -280,6 +281,18 @@ def peers_mean(run: Run) -> str:
     return f"mean over a sample of {k} peer{'s' * (k != 1)}"
 
 
+def log_bytes_axis(ax: Axes, what: str) -> None:
+    """A log axis of megabytes labelled in 1-2-5 steps, on which a point at 0 bytes is a
+    gap (matplotlib would clip it to a tiny value: a segment in from the far left)."""
+    for line in ax.get_lines():
+        x = np.asarray(line.get_xdata(), dtype=float)
+        line.set_xdata(np.where(x > 0, x, np.nan))
+    ax.set(xlabel=f"{what} (MB, log scale; 0 not shown)", xscale="log")
+    ax.xaxis.set_major_locator(LogLocator(subs=(1, 2, 5)))
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.xaxis.set_minor_formatter(NullFormatter())
+
+
 def accuracy_figure(lines: list[tuple[str, list[Run]]]) -> Figure:
     fig = Figure(figsize=(15, 4.8), layout="constrained")
     axes = fig.subplots(1, 3, sharey=True)
@@ -300,13 +313,7 @@ def accuracy_figure(lines: list[tuple[str, list[Run]]]) -> Figure:
     axes[0].set(xlabel="round", ylabel="test accuracy")
     axes[0].xaxis.set_major_locator(MaxNLocator(integer=True))
     if delivered:
-        for line in axes[1].get_lines():  # a gap, not a segment from far left, before 0 bytes
-            x = np.asarray(line.get_xdata(), dtype=float)
-            line.set_xdata(np.where(x > 0, x, np.nan))
-        axes[1].set(xlabel="bytes delivered (MB, log scale; 0 not shown)", xscale="log")
-        axes[1].xaxis.set_major_locator(LogLocator(subs=(1, 2, 5)))  # labelled 1-2-5 steps
-        axes[1].xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
-        axes[1].xaxis.set_minor_formatter(NullFormatter())
+        log_bytes_axis(axes[1], "bytes delivered")
     else:
         axes[1].set(xlabel="bytes delivered (MB; none)")
     axes[2].set(xlabel="simulated time (s)")
@@ -575,22 +582,19 @@ def progress_figure(lines: list[tuple[str, list[Run]]], x: str) -> Figure:
             real |= run.summary.get("transport", "sim") != "sim"
             targets |= targets_of(run)
             i += 1
-    for t in sorted(targets):
+    if x == "time":
+        clock = "simulated time (s)" + ("; wall seconds for zmq runs" if real else "")
+        ax.set(xlabel=clock, title="Test accuracy against time")
+    elif positive:
+        log_bytes_axis(ax, "bytes sent")
+    else:
+        ax.set(xlabel="bytes sent (MB; none)")
+    for t in sorted(targets):  # after the axis: its gaps are the curves'
         ax.axhline(t, color="grey", linestyle=":", linewidth=1)
         ax.annotate(
             f"target {t:g}", (1, t), xycoords=("axes fraction", "data"), xytext=(-4, 2),
             textcoords="offset points", ha="right", va="bottom", fontsize=7, color="grey",
         )  # fmt: skip
-    if x == "time":
-        clock = "simulated time (s)" + ("; wall seconds for zmq runs" if real else "")
-        ax.set(xlabel=clock, title="Test accuracy against time")
-    elif positive:
-        ax.set(xlabel="bytes sent (MB, log scale; 0 not shown)", xscale="log")
-        ax.xaxis.set_major_locator(LogLocator(subs=(1, 2, 5)))
-        ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
-        ax.xaxis.set_minor_formatter(NullFormatter())
-    else:
-        ax.set(xlabel="bytes sent (MB; none)")
     if x == "bytes":
         ax.set(title="Test accuracy against bytes sent")
     ax.set(ylabel="test accuracy")
