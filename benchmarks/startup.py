@@ -1,9 +1,10 @@
-"""What a ``p2pfl run`` command costs besides its run: start-up (imports, data, figure) and exit.
+"""What a ``p2pfl`` command costs besides its run: start-up (imports, data, figure) and exit.
 
 Each case is a whole command as a user types it (one thread unless ``--threads``), timed
 from outside, with its CPU seconds (user + system, the children it waited for included);
 the run's own ``wall_time_s`` (from ``summary.json``) is taken off, which leaves what the
-command adds. ``import torch`` alone is the floor of every case that runs.
+command adds. ``import torch`` alone is the floor of every case that runs; ``plot`` and
+``report`` read a quick-start run made once, and need no torch.
 ``--against DIR`` times a second checkout (another commit: ``git worktree add DIR REV``) in
 the same loop, alternating with this one, so the two are measured side by side.
 
@@ -29,7 +30,7 @@ import vs_flower
 from common import ROOT, p2pfl_command, report
 
 CASES = {
-    "python -c 'import torch'": ["import torch"],
+    "python -c 'import torch'": ["-c", "import torch"],
     "help": ["--help"],
     "quickstart (digits, 10 peers)": ["run", "experiments/quickstart.yaml"],
     "fedavg-fmnist, 1 round (Fashion-MNIST, 10 peers)": [
@@ -45,18 +46,22 @@ CASES = {
     "the race against Flower (vs_flower.py), --workers 2": [
         "run", "{race}", "--workers", "2",  # vs_flower.CONFIG, written to a file
     ],
+    "p2pfl plot of the quick-start's run": ["plot", "{quickstart}", "--out", "{tmp}/plots"],
+    "p2pfl report of the quick-start's run": [
+        "report", "{quickstart}", "--out", "{tmp}/report.html",
+    ],
 }  # fmt: skip
 
 
 def command(checkout: Path, args: list[str], threads: int) -> tuple[float, float, float]:
     """One command in ``checkout`` (its own ``p2pfl`` package): its wall time, its run's
-    ``wall_time_s`` (0 for a command that runs nothing) and its CPU seconds. A one-item
-    case is ``python -c`` that item."""
+    ``wall_time_s`` (0 for a command that runs nothing) and its CPU seconds. A case that
+    starts with ``-c`` is ``python -c CODE``, not ``p2pfl``."""
     env = environment(checkout, threads)
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    if len(args) == 1:
+    if args[0] == "-c":
         start = time.perf_counter()
-        subprocess.run([sys.executable, "-c", args[0]], env=env, cwd=checkout, check=True)
+        subprocess.run([sys.executable, *args], env=env, cwd=checkout, check=True)
         wall, summary = time.perf_counter() - start, None
     else:
         with tempfile.TemporaryDirectory() as tmp:
@@ -95,9 +100,14 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         race = Path(tmp, "race.yaml")
         race.write_text(json.dumps(config))  # JSON is YAML
+        quickstart = Path(tmp, "quickstart")  # what the plot and report cases read
+        if any(r"{quickstart}" in a for cmd in cases.values() for a in cmd):
+            p2pfl_command(["run", "experiments/quickstart.yaml"], environment(ROOT, 1), quickstart)
+        fill = {"{race}": str(race), "{quickstart}": str(quickstart), "{tmp}": tmp}
         for _ in range(args.repeats):
             for case, cmd in cases.items():
-                cmd = [a.replace("{race}", str(race)) for a in cmd]
+                for key, value in fill.items():
+                    cmd = [a.replace(key, value) for a in cmd]
                 for name, checkout in checkouts.items():
                     sample = command(checkout, cmd, args.threads)
                     times.setdefault((case, name), []).append(sample)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import csv
 import json
+import subprocess
+import sys
 import warnings
 import xml.etree.ElementTree as ET
 from pathlib import Path
@@ -64,6 +66,23 @@ def test_plot_writes_valid_png_and_svg(runs, tmp_path, capsys):
     assert all(valid(p) for p in out.iterdir())
     assert main(["plot", str(tmp_path / "nowhere")]) == 2
     assert "neither a run" in capsys.readouterr().err
+
+
+def test_plot_and_report_load_no_torch(runs, tmp_path):
+    """Reading finished runs needs no torch (about 2 s to import): ``p2pfl plot`` and
+    ``p2pfl report`` of the quick-start take half the time they took with it
+    (benchmarks/startup.py)."""
+    run, plots_dir, page = (str(p) for p in (runs["fedavg"], tmp_path / "p", tmp_path / "r.html"))
+    code = (
+        "import sys; from p2pfl.app.cli import main; "
+        f"assert main(['plot', {run!r}, '--out', {plots_dir!r}]) == 0; "
+        f"assert main(['report', {run!r}, '--out', {page!r}]) == 0; "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch')[:3])"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-1] == "[]"
+    assert valid(tmp_path / "p" / "accuracy.png") and (tmp_path / "r.html").is_file()
 
 
 def test_default_output_is_the_first_run_plots_folder(runs):

@@ -8,9 +8,12 @@ a peer's stream does not depend on the order in which peers run.
 from __future__ import annotations
 
 import zlib
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:
+    import torch
 
 
 def _key(part: int | str) -> int:
@@ -81,4 +84,6 @@ def numpy_rng(seed: int, *keys: int | str) -> np.random.Generator:
 
 
 def torch_generator(seed: int, *keys: int | str) -> torch.Generator:
+    import torch  # here: the commands that only read runs (plot, report) never load torch
+
     return torch.Generator().manual_seed(derive_seed(seed, *keys))

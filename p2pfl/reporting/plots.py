@@ -375,7 +375,8 @@ def traffic_figure(lines: list[tuple[str, list[Run]]]) -> Figure:
         topology = topology_of(runs[0])
         per_run = [link_bytes(r, topology) for r in runs]
         edges = list(topology.graph.edges)
-        values = [np.mean([b[frozenset(e)] for b in per_run]) / 1e6 for e in edges]
+        links = [frozenset(e) for e in edges]
+        values = list(np.mean([[b.get(k, 0) for k in links] for b in per_run], axis=0) / 1e6)
         drawn.append((name, topology, edges, values))
     top = float(max(max(v) for *_, v in drawn)) or 1.0
     norm, cmap = Normalize(0, top), colormaps["viridis"]
