@@ -35,7 +35,6 @@ import csv
 import functools
 import json
 import math
-from bisect import bisect_right
 from collections import defaultdict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -241,14 +240,10 @@ def series(run: Run) -> tuple[np.ndarray, str]:
     ``time_to_accuracy`` reads), in time order, as [time, accuracy, bytes delivered by then,
     round]; and its source (``run``, ``server`` or ``peers``)."""
     points, source = accuracy_series(r for r in run.metrics if r["peer"] != "final")
-    arrivals = sorted(
-        (float(r["arrival"]), int(r["bytes"]))
-        for r in run.comm
-        if r.get("fate", "delivered") == "delivered"  # lost ones never arrived
+    arrived = Sent(  # lost ones never arrived
+        (r for r in run.comm if r.get("fate", "delivered") == "delivered"), at="arrival"
     )
-    times = [a for a, _ in arrivals]
-    delivered = np.concatenate([[0], np.cumsum([b for _, b in arrivals])])
-    out = [[p.time, p.accuracy, delivered[bisect_right(times, p.time)], p.round] for p in points]
+    out = [[p.time, p.accuracy, arrived.by(p.time), p.round] for p in points]
     return np.array(out, dtype=float).reshape(-1, 4), source
 
 

@@ -92,15 +92,16 @@ def accuracy_series(rows: Iterable[Mapping[str, str]]) -> tuple[list[Point], str
 
 
 class Sent:
-    """Bytes sent by a time, from ``comm.csv``'s rows (``time`` and ``bytes`` columns)."""
+    """Bytes sent by a time, from ``comm.csv``'s rows (``time`` and ``bytes`` columns), or
+    with ``at="arrival"`` the bytes that had arrived by then (given the delivered rows)."""
 
-    def __init__(self, rows: Iterable[Mapping[str, str]]) -> None:
-        sends = sorted((float(r["time"]), int(r["bytes"])) for r in rows)
+    def __init__(self, rows: Iterable[Mapping[str, Any]], at: str = "time") -> None:
+        sends = sorted((float(r[at]), int(r["bytes"])) for r in rows)
         self.times = [t for t, _ in sends]
         self.totals = [0, *accumulate(b for _, b in sends)]
 
     def by(self, time: float) -> int:
-        """Bytes of every message sent at or before ``time``."""
+        """Bytes of every message sent (or arrived) at or before ``time``."""
         return self.totals[bisect_right(self.times, time)]
 
 
