@@ -126,7 +126,7 @@ def test_the_reference_models_sizes_and_flops():
         build_model({"name": "cnn1d"}, (1, 8, 8), 10)
 
 
-def test_logreg_mlp_cnn_order_on_mnist1d():
+def test_logreg_mlp_cnn_order_on_mnist1d(tmp_path):
     """One peer, the reference training (Adam, lr 0.01, batch 100) for 10 epochs on 2,000
     signals: the paper's ordering, linear < MLP < CNN, with margins (measured 0.28, 0.49,
     0.68 with 2,000 signals; 0.31, 0.67, 0.92 on the reference set for 150 epochs)."""
@@ -141,7 +141,7 @@ def test_logreg_mlp_cnn_order_on_mnist1d():
             "algorithm": {"name": "fedavg", "rounds": 1},
             "train": {"epochs": 10, "batch_size": 100, "optimizer": "adam", "lr": 0.01},
         }
-        result = p2pfl.run(config, out=None)
+        result = p2pfl.run(config, out=tmp_path / model["name"])
         acc[model["name"]] = result.summary["final"]["accuracy"]
     assert acc["logreg"] + 0.1 < acc["mlp"] < acc["cnn1d"] - 0.1, acc
     assert 0.2 < acc["logreg"] < 0.4, acc
@@ -215,8 +215,8 @@ def test_each_device_has_its_own_linear_model_unless_iid():
             assert float(means.mean(1).std()) > 0.5  # each device's own feature mean
 
 
-def test_the_natural_partition_gives_each_peer_one_device():
-    setup = p2pfl.run(SYN | {"algorithm": {"name": "fedavg", "rounds": 1}}, out=None)
+def test_the_natural_partition_gives_each_peer_one_device(tmp_path):
+    setup = p2pfl.run(SYN | {"algorithm": {"name": "fedavg", "rounds": 1}}, out=tmp_path)
     assert setup.summary["num_peers"] == 10
     d = load_dataset({"name": "synthetic"}, seed=0)
     assert d.train_groups is not None and d.test_groups is not None

@@ -88,11 +88,12 @@ def test_a_dict_and_yaml_text_give_what_the_file_gives(tmp_path, cli_quickstart,
     ``**{"a.b": v}`` is the same override; ``out=None`` is a fresh temporary directory,
     never the current one."""
     monkeypatch.chdir(ROOT)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the system's, in this test
     text = QUICKSTART.read_text()
     from_dict = p2pfl.run(yaml.safe_load(text), algorithm__rounds=2)
     from_text = p2pfl.run(text, **{"algorithm.rounds": 2})
     for result in (from_dict, from_text):
-        assert result.out.parent == Path(tempfile.gettempdir())
+        assert result.out.parent == tmp_path
         assert result.out.name.startswith("p2pfl-")
         assert_same_run(result, cli_quickstart)
     assert from_dict.out != from_text.out
@@ -120,7 +121,7 @@ def test_a_bad_key_raises_the_command_lines_error_and_writes_nothing(tmp_path, c
     assert list(scratch.iterdir()) == []
 
 
-def test_a_non_empty_out_is_refused_unless_it_holds_a_run_and_force(tmp_path, capsys):
+def test_a_non_empty_out_is_refused_unless_it_holds_a_run_and_force(tmp_path, capsys, monkeypatch):
     """The CLI's --out rules: refused without ``force``; with it, a directory of the user's
     is still refused (and kept), and one that holds a p2pfl run is replaced."""
     mine = tmp_path / "mine"
@@ -135,7 +136,9 @@ def test_a_non_empty_out_is_refused_unless_it_holds_a_run_and_force(tmp_path, ca
         p2pfl.run(QUICKSTART, out=mine, force=True, algorithm__rounds=1)
     assert [p.name for p in mine.iterdir()] == ["notes.txt"]
 
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # out=None: a directory in it
     first = p2pfl.run(QUICKSTART, algorithm__rounds=1)
+    assert first.out.parent == tmp_path
     with pytest.raises(p2pfl.ConfigError, match="not empty"):
         p2pfl.run(QUICKSTART, out=first.out, algorithm__rounds=2)
     again = p2pfl.run(QUICKSTART, out=first.out, force=True, algorithm__rounds=2)

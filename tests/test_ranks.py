@@ -218,7 +218,7 @@ def test_forked_ranks_compute_on_several_threads_each(tmp_path):
     (GNU OpenMP's pool does not survive a fork: rank 0 computes on one thread until then)
     nor differ from one process on two threads."""
     exp = ROOT / "experiments" / "quickstart.yaml"  # its server's loss shows a thread count
-    env = os.environ | {"OMP_NUM_THREADS": "2"}
+    env = os.environ | {"OMP_NUM_THREADS": "2", "TMPDIR": str(scratch(tmp_path))}
     for n in (1, 2):
         cmd = [sys.executable, "-m", "p2pfl", "run", str(exp), "--out", str(tmp_path / f"w{n}")]
         done = subprocess.run(
@@ -227,6 +227,20 @@ def test_forked_ranks_compute_on_several_threads_each(tmp_path):
         )  # fmt: skip
         assert done.returncode == 0, done.stderr
     assert outputs(tmp_path / "w2") == outputs(tmp_path / "w1")
+    assert_nothing_left(tmp_path)
+
+
+def scratch(tmp_path: Path) -> Path:
+    """A run's temporary directory (its ``TMPDIR``), made empty."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir(exist_ok=True)
+    return tmp
+
+
+def assert_nothing_left(tmp_path: Path) -> None:
+    """The run in ``tmp_path`` left nothing in its temporary directory: what the ranks
+    above 0 write and throw away goes, however they ended."""
+    assert list((tmp_path / "tmp").iterdir()) == []
 
 
 def long_spread_run(tmp_path: Path, *options: str, **popen: Any) -> subprocess.Popen[str]:
@@ -234,7 +248,7 @@ def long_spread_run(tmp_path: Path, *options: str, **popen: Any) -> subprocess.P
     started, with its stderr piped: a run that lasts until it is killed or interrupted."""
     exp = exp_file(tmp_path, **(RING | {"algorithm": {"name": "dfedavgm", "rounds": 100_000}}))
     cmd = [sys.executable, "-m", "p2pfl", "run", str(exp), "--out", str(tmp_path / "o")]
-    env = os.environ | {"OMP_NUM_THREADS": "1"}
+    env = os.environ | {"OMP_NUM_THREADS": "1", "TMPDIR": str(scratch(tmp_path))}
     return subprocess.Popen(
         [*cmd, "--quiet", "--workers", "2", *options], env=env, cwd=ROOT,
         stderr=subprocess.PIPE, text=True, **popen,
@@ -278,6 +292,7 @@ def test_a_dead_rank_ends_the_run_naming_it(tmp_path, options):
     assert summary["status"] == "failed"
     # one form, whether rank 0 saw the death or a failed exchange first
     assert summary["error"] == "RankFailed: worker rank 1 exited with code -9"
+    assert_nothing_left(tmp_path)  # the killed rank could not remove what it wrote
 
 
 def test_a_rank_that_cannot_join_is_one_error_line(tmp_path):
@@ -313,6 +328,7 @@ def test_an_interrupted_spread_run_ends_as_interrupted(tmp_path, signum, group):
     assert err == f"error: interrupted ({signal.Signals(signum).name})\n"
     summary = json.loads((tmp_path / "o" / "summary.json").read_text())
     assert summary["status"] == "interrupted"
+    assert_nothing_left(tmp_path)
 
 
 BAD = [

@@ -747,7 +747,9 @@ def _ranks(
             setup.check_forkable("ranks of --workers")
             env = {"WORLD_SIZE": str(workers), "MASTER_ADDR": "127.0.0.1"}
             env["MASTER_PORT"] = str(free_port())
-            workers_ = Workers(workers, lambda r: _forked_rank(setup, env, r, threads, shard))
+            workers_ = Workers(
+                workers, lambda r, scratch: _forked_rank(setup, env, r, scratch, threads, shard)
+            )
             ranks = Ranks.from_env(env | {"RANK": "0"}, threads, shard)  # as many as the others
             ranks = dataclasses.replace(ranks, death=workers_.died) if ranks else None
         yield ranks
@@ -765,14 +767,20 @@ def _ranks(
 
 
 def _forked_rank(
-    setup: Setup, env: dict[str, str], rank: int, threads: int, shard: str | None = None
+    setup: Setup,
+    env: dict[str, str],
+    rank: int,
+    scratch: Path,
+    threads: int,
+    shard: str | None = None,
 ) -> int:
     """A rank above 0 of ``--workers``, forked from rank 0's built run: train its share,
-    write nothing (rank 0 does). Ctrl-C is rank 0's to handle: it stops the ranks."""
+    keep nothing (rank 0 writes the run; ``scratch``, which rank 0 removes, takes what this
+    rank throws away). Ctrl-C is rank 0's to handle: it stops the ranks."""
     from p2pfl.runtime.ranks import Ranks
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _rank_run(setup, Ranks.from_env(env | {"RANK": str(rank)}, threads, shard))
+    _rank_run(setup, Ranks.from_env(env | {"RANK": str(rank)}, threads, shard), scratch)
     return 0
 
 
@@ -789,16 +797,20 @@ def _helper_rank(args: argparse.Namespace) -> int:
     return 0
 
 
-def _rank_run(setup: Setup, ranks: Ranks | None) -> None:
-    """Run the simulation as a rank above 0: its outputs go to a directory thrown away. A
-    rank that fails keeps its connections until it exits, after telling rank 0 why: the
-    other ranks then fail after it, and rank 0 names its failure, not theirs."""
+def _rank_run(setup: Setup, ranks: Ranks | None, scratch: Path | None = None) -> None:
+    """Run the simulation as a rank above 0: its outputs go to a directory thrown away
+    (``scratch``, which rank 0 removes; else one of its own, removed as it ends). A rank
+    that fails keeps its connections until it exits, after telling rank 0 why: the other
+    ranks then fail after it, and rank 0 names its failure, not theirs."""
     import tempfile
 
     from p2pfl.app.experiment import run
 
-    with tempfile.TemporaryDirectory(prefix="p2pfl-rank") as tmp:
-        run(setup, Path(tmp), False, "sim", ranks)
+    if scratch is not None:
+        run(setup, scratch, False, "sim", ranks)
+    else:
+        with tempfile.TemporaryDirectory(prefix="p2pfl-rank") as tmp:
+            run(setup, Path(tmp), False, "sim", ranks)
     if ranks is not None:
         ranks.close()
 

@@ -17,14 +17,17 @@ import math
 import os
 import pickle
 import select
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import traceback
 from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
 from typing import Any
 
 from p2pfl.core.errors import ConfigError, RankFailed, RunError
@@ -340,12 +343,12 @@ def rank_threads(n: int) -> int:
     return max(1, (os.cpu_count() or 1) // n)
 
 
-def _rank_life(main: Callable[[int], int], r: int, told: int) -> int:
+def _rank_life(main: Callable[[int, Path], int], r: int, scratch: Path, told: int) -> int:
     """Rank ``r``'s life in its forked child: a :class:`RunError` (it could not join the
     others, say) is told to rank 0, whose error line it becomes, rather than printed here
     as a second line for one failure."""
     try:
-        return main(r)
+        return main(r, scratch)
     except RunError as e:
         os.write(told, str(e).encode()[: select.PIPE_BUF])
         return 1
@@ -367,21 +370,30 @@ class Workers:
     dying with this process. A rank that dies ends the run with a :class:`RankFailed` naming
     it (or telling the rank's own RunError, where one ended it), raised in this process's main
     thread (which must create the workers and :meth:`stop` them); ranks that this process
-    stops are not reported."""
+    stops are not reported.
 
-    def __init__(self, n: int, main: Callable[[int], int]) -> None:
+    ``main(rank, scratch)`` writes what the rank throws away (rank 0 writes what is kept)
+    under ``scratch``, a directory of :attr:`scratch` that this process removes once the
+    ranks have ended, however they ended: a rank that is killed cannot remove its own."""
+
+    def __init__(self, n: int, main: Callable[[int, Path], int]) -> None:
         self.death: str | None = None  # the first rank's death, in one line
         self._died = threading.Event()
         self._stopped = threading.Event()
         self._handler = signal.signal(signal.SIGUSR1, self._raise)
+        self.scratch = Path(tempfile.mkdtemp(prefix="p2pfl-ranks-"))
         self.children: list[Forked] = []
-        for r in range(1, n):
-            why, told = os.pipe()  # a rank's RunError, told to rank 0 to report
-            rank = functools.partial(_rank_life, main, r, told)
-            child = Forked(rank, f"p2pfl rank {r}")
-            os.close(told)
-            self.children.append(child)
-            threading.Thread(target=self._watch, args=(r, child, why), daemon=True).start()
+        try:
+            for r in range(1, n):
+                why, told = os.pipe()  # a rank's RunError, told to rank 0 to report
+                rank = functools.partial(_rank_life, main, r, self.scratch / f"rank{r}", told)
+                child = Forked(rank, f"p2pfl rank {r}")
+                os.close(told)
+                self.children.append(child)
+                threading.Thread(target=self._watch, args=(r, child, why), daemon=True).start()
+        except BaseException:  # a fork that failed: no one else will stop those forked
+            self.stop()
+            raise
 
     def _watch(self, r: int, child: Forked, why: int) -> None:
         code = child.wait()
@@ -419,10 +431,12 @@ class Workers:
         self._kill()
 
     def _kill(self) -> None:
+        """Kill the ranks still running, wait for them, and remove what they wrote."""
         for child in self.children:
             child.kill()
         for child in self.children:
             child.wait()
+        shutil.rmtree(self.scratch, ignore_errors=True)
 
     def join(self) -> None:
         for child in self.children:
