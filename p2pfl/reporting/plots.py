@@ -319,7 +319,7 @@ def accuracy_figure(lines: list[tuple[str, list[Run]]]) -> Figure:
     fig.legend(
         handles, labels, loc="outside lower center", ncols=min(3, len(labels), fit), fontsize=8
     )
-    fig.suptitle("Test accuracy of the output model per round")
+    fig.suptitle("Test accuracy against rounds, bytes delivered and simulated time")
     return fig
 
 

@@ -436,9 +436,9 @@ def cells_html(path: Path) -> str:
 def accuracy_section(lines: list[tuple[str, list[Run]]]) -> str:
     out = figure_html(
         accuracy_figure(lines),
-        "Test accuracy of the output model per round against round; the run's accuracy series "
-        "(the one time_to_accuracy reads) against bytes delivered by then and simulated time "
-        "(a line's runs averaged round by round, or probe by probe).",
+        "Test accuracy per round against round (the server's model, else the peers' mean); "
+        "the run's accuracy series (the one time_to_accuracy reads) against bytes delivered "
+        "by then and simulated time (a line's runs averaged round by round, or probe by probe).",
     )
     runs = [r for _, rs in lines for r in rs]
     if any(_get(r.config, "eval", "targets") or _get(r.config, "eval", "every_s") for r in runs):
