@@ -182,7 +182,7 @@ def test_torchrun_starts_the_same_run_on_loopback(tmp_path, options):
     torchrun = Path(sys.executable).parent / "torchrun"
     cmd = [str(torchrun), "--nproc-per-node", "2", "--master-port", str(free_port())]
     cmd += ["-m", "p2pfl", "run", str(exp), "--out", str(tmp_path / "two"), "--quiet", *options]
-    env = os.environ | {"OMP_NUM_THREADS": "1"}
+    env = os.environ | {"OMP_NUM_THREADS": "1", "TMPDIR": str(scratch(tmp_path))}  # torchrun's
     done = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert outputs(tmp_path / "two") == outputs(tmp_path / "one")
