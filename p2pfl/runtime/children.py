@@ -373,7 +373,7 @@ class Workers:
     stops are not reported.
 
     ``main(rank, scratch)`` writes what the rank throws away (rank 0 writes what is kept)
-    under ``scratch``, a directory of :attr:`scratch` that this process removes once the
+    to ``scratch``, a directory inside :attr:`scratch`, which this process removes once the
     ranks have ended, however they ended: a rank that is killed cannot remove its own."""
 
     def __init__(self, n: int, main: Callable[[int, Path], int]) -> None:
