@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 import subprocess
 import sys
@@ -16,6 +17,7 @@ import torch
 
 from conftest import run_experiment
 from p2pfl.app.cli import main
+from p2pfl.core.errors import ConfigError
 from p2pfl.reporting import plots
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -274,6 +276,16 @@ def test_traffic_counts_every_byte_on_its_link(runs):
     total = json.loads((runs["fedavg"] / "summary.json").read_text())["comm"]["total_bytes"]
     assert sum(per_link.values()) == total
     assert set(per_link) == {frozenset((p, topology.server)) for p in topology.peers}
+    # both directions of a link add up; a message between unknown nodes names its first row
+    first = run.comm[0]
+    there = dict(first, bytes="7")
+    back = dict(first, src=first["dst"], dst=first["src"], bytes="5")
+    names = {first["src"], first["dst"]}
+    link = next(k for k in per_link if {topology.name(n) for n in k} == names)
+    assert plots.link_bytes(dataclasses.replace(run, comm=[there, back]), topology) == {link: 12}
+    stray = [there, dict(there, dst="nobody", bytes="1"), dict(there, src="nobody")]
+    with pytest.raises(ConfigError, match="unknown nodes .*'dst': 'nobody', .*'bytes': '1'"):
+        plots.link_bytes(dataclasses.replace(run, comm=stray), topology)
 
 
 def test_cost_and_sweep_charts_are_valid(tmp_path):
