@@ -239,11 +239,15 @@ def workspace(tmp_path: Path) -> Path:
     return tmp_path
 
 
-def environment() -> dict[str, str]:
+def environment(cwd: Path) -> dict[str, str]:
+    """The pages' commands' environment in the workspace ``cwd``: what they leave in a
+    temporary directory (``p2pfl.run`` without ``out=``) goes to ``cwd/tmp``."""
+    (cwd / "tmp").mkdir(exist_ok=True)
     return os.environ | {
         "PATH": f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}",
         "OMP_NUM_THREADS": "1",
         "PYTHONPATH": str(ROOT),
+        "TMPDIR": str(cwd / "tmp"),
     }
 
 
@@ -260,7 +264,7 @@ def run_page(page: Path, cwd: Path) -> None:
                     subprocess.Popen(
                         ["bash", "-c", command[:-1]],
                         cwd=cwd,
-                        env=environment(),
+                        env=environment(cwd),
                         stdout=subprocess.DEVNULL,
                         stderr=subprocess.DEVNULL,
                     )
@@ -270,7 +274,7 @@ def run_page(page: Path, cwd: Path) -> None:
             out = subprocess.run(
                 ["bash", "-c", command],
                 cwd=cwd,
-                env=environment(),
+                env=environment(cwd),
                 capture_output=True,
                 text=True,
                 timeout=300,
@@ -317,7 +321,7 @@ def test_the_python_tutorial_runs_as_shown(tmp_path):
     marker = "----- next block -----"
     script.write_text(f"\nprint({marker!r})\n".join(code for code, _ in blocks))
     out = subprocess.run(
-        [sys.executable, str(script)], cwd=cwd, env=environment(), capture_output=True, text=True
+        [sys.executable, str(script)], cwd=cwd, env=environment(cwd), capture_output=True, text=True
     )
     assert out.returncode == 0, out.stderr
     printed = out.stdout.split(marker)
@@ -345,7 +349,7 @@ def test_the_readme_quick_start_prints_what_it_shows(tmp_path):
     out = subprocess.run(
         ["bash", "-c", command + " --quiet"],
         cwd=workspace(tmp_path / "ws"),
-        env=environment(),
+        env=environment(tmp_path / "ws"),
         capture_output=True,
         text=True,
     )
