@@ -33,7 +33,7 @@ MODELS = {
     "cnn_s (BatchNorm)": {"name": "cnn_s"},
 }
 
-CHILD = """
+POOL = """
 import hashlib, json, sys, time
 import torch
 from p2pfl.learning.models import build_model
@@ -47,33 +47,36 @@ pool = [
     for _ in range(count)
 ]
 digest = hashlib.sha256()
+"""
+"""A child's start: the pool of states (the same draws in every case) and the digest of the
+first 8 means."""
+
+TIMED = """
+print(json.dumps({"us": (time.perf_counter() - start) / count * 1e6, "sha": digest.hexdigest()}))
+"""
+"""A child's end: its time per mix since ``start`` and the digest."""
+
+CHILD = (
+    POOL
+    + """
 start = time.perf_counter()
 for i in range(count):
     mean = average_states([pool[i - 1], pool[i], pool[(i + 1) % count]])
     if i < 8:
         digest.update(b"".join(t.numpy().tobytes() for t in mean.values()))
-print(json.dumps({"us": (time.perf_counter() - start) / count * 1e6, "sha": digest.hexdigest()}))
 """
+    + TIMED
+)
 
-TOGETHER = """
-import hashlib, json, sys, time
-import torch
-from p2pfl.learning.models import build_model
-from p2pfl.learning.state import clone_state
-torch.set_num_threads(1)
-options, count, c = json.loads(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
-torch.manual_seed(0)
-base = clone_state(build_model(options, (1, 28, 28), 10).state_dict())
-pool = [
-    {k: v + torch.randn_like(v) if v.is_floating_point() else v.clone() for k, v in base.items()}
-    for _ in range(count)
-]
+TOGETHER = (
+    POOL
+    + """
+c = int(sys.argv[3])
 # peer i's ring neighbours i-1, i, i+1 are rows i, i+1, i+2 of the pool wrapped by one row
 ring = {k: torch.stack([pool[-1][k], *(p[k] for p in pool), pool[0][k]]) for k in base}
 del pool
 wide = {k: torch.empty((c, *v.shape), dtype=torch.float64) for k, v in base.items()}
 acc = {k: torch.empty((c, *v.shape), dtype=torch.float64) for k, v in base.items()}
-digest = hashlib.sha256()
 start = time.perf_counter()
 for s in range(0, count, c):
     n = min(c, count - s)
@@ -86,8 +89,9 @@ for s in range(0, count, c):
         mean[k] = (a if v.is_floating_point() else a.round()).to(v.dtype)
     for i in range(s, min(s + n, 8)):
         digest.update(b"".join(t[i - s].numpy().tobytes() for t in mean.values()))
-print(json.dumps({"us": (time.perf_counter() - start) / count * 1e6, "sha": digest.hexdigest()}))
 """
+    + TIMED
+)
 
 
 def mix(tree: Path, options: dict, count: int, together: int = 0) -> dict:
