@@ -4,12 +4,13 @@ Each case is a whole command as a user types it (one thread unless ``--threads``
 from outside, with its CPU seconds (user + system, the children it waited for included);
 the run's own ``wall_time_s`` (from ``summary.json``) is taken off, which leaves what the
 command adds. ``import torch`` alone is the floor of every case that runs; ``plot`` and
-``report`` read a quick-start run made once, and need no torch.
+``report`` read a quick-start run made once, and need no torch; with ``--run DIR`` they
+read that finished run too (the shipped 10⁵-peer gossip run: 10⁶ messages).
 ``--against DIR`` times a second checkout (another commit: ``git worktree add DIR REV``) in
 the same loop, alternating with this one, so the two are measured side by side.
 
     .venv/bin/python benchmarks/startup.py [--repeats 3] [--against DIR] [--threads 0]
-        [--cases WORD ...]
+        [--cases WORD ...] [--run DIR]
 """
 
 from __future__ import annotations
@@ -51,6 +52,11 @@ CASES = {
         "report", "{quickstart}", "--out", "{tmp}/report.html",
     ],
 }  # fmt: skip
+GIVEN_RUN = {
+    "p2pfl plot of --run": ["plot", "{run}", "--out", "{tmp}/plots"],
+    "p2pfl report of --run": ["report", "{run}", "--out", "{tmp}/report.html"],
+}
+"""The cases of ``--run DIR``."""
 
 
 def command(checkout: Path, args: list[str], threads: int) -> tuple[float, float, float]:
@@ -87,9 +93,10 @@ def main() -> None:
     parser.add_argument("--against", type=Path, help="a second checkout, timed alongside")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (0: one per core)")
     parser.add_argument("--cases", nargs="+", help="only the cases whose name holds one of these")
+    parser.add_argument("--run", type=Path, help="a finished run the plot and report cases read")
     args = parser.parse_args()
     cases = {
-        name: cmd for name, cmd in CASES.items()
+        name: cmd for name, cmd in (CASES | (GIVEN_RUN if args.run else {})).items()
         if not args.cases or any(word in name for word in args.cases)
     }  # fmt: skip
     checkouts = {"this": ROOT} | ({"against": args.against.resolve()} if args.against else {})
@@ -104,6 +111,7 @@ def main() -> None:
         if any(r"{quickstart}" in a for cmd in cases.values() for a in cmd):
             p2pfl_command(["run", "experiments/quickstart.yaml"], environment(ROOT, 1), quickstart)
         fill = {"{race}": str(race), "{quickstart}": str(quickstart), "{tmp}": tmp}
+        fill["{run}"] = str(args.run.resolve() if args.run else "")
         for _ in range(args.repeats):
             for case, cmd in cases.items():
                 for key, value in fill.items():
@@ -121,6 +129,7 @@ def main() -> None:
         rows.append([case, name, wall, least, cpu, run, wall - run, wall / this])
     extra = {
         "repeats": args.repeats, "against": str(args.against), "threads": args.threads,
+        "run": str(args.run),
         "load_before": load_before,
         "load_after": os.getloadavg(),
     }  # fmt: skip

@@ -19,6 +19,7 @@ from conftest import run_experiment
 from p2pfl.app.cli import main
 from p2pfl.core.errors import ConfigError
 from p2pfl.reporting import plots
+from p2pfl.reporting.tables import Table
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -173,7 +174,7 @@ def test_a_point_before_any_byte_is_left_out_of_the_log_axis():
     ]
     comm = [{"time": 1.5, "src": "0", "dst": "1", "bytes": 10**6, "arrival": 1.5}]
     config = {"eval": {"targets": [0.5]}}
-    run = plots.Run(Path("."), config, metrics, comm)  # type: ignore[arg-type]
+    run = plots.Run(Path("."), config, Table.of(metrics), Table.of(comm))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         fig = plots.accuracy_figure([("one", [run])])
@@ -254,7 +255,7 @@ def test_a_line_averages_its_runs_round_by_round_or_probe_by_probe():
             for t, k, peer, v in points
         ]
         comm = [{"src": "0", "dst": "1", "bytes": 10, "arrival": 1.0}]
-        return plots.Run(Path("."), {}, metrics, comm)  # type: ignore[arg-type]
+        return plots.Run(Path("."), {}, Table.of(metrics), Table.of(comm))
 
     a = run((1.0, 1, "0", 0.2), (3.0, 1, "1", 0.4), (2.0, 2, "0", 0.5), (4.0, 2, "1", 0.7))
     b = run((1.0, 1, "0", 0.4), (1.0, 1, "1", 0.4), (2.0, 2, "0", 0.6), (2.0, 2, "1", 0.6),
@@ -282,10 +283,11 @@ def test_traffic_counts_every_byte_on_its_link(runs):
     back = dict(first, src=first["dst"], dst=first["src"], bytes="5")
     names = {first["src"], first["dst"]}
     link = next(k for k in per_link if {topology.name(n) for n in k} == names)
-    assert plots.link_bytes(dataclasses.replace(run, comm=[there, back]), topology) == {link: 12}
+    both = dataclasses.replace(run, comm=Table.of([there, back]))
+    assert plots.link_bytes(both, topology) == {link: 12}
     stray = [there, dict(there, dst="nobody", bytes="1"), dict(there, src="nobody")]
     with pytest.raises(ConfigError, match="unknown nodes .*'dst': 'nobody', .*'bytes': '1'"):
-        plots.link_bytes(dataclasses.replace(run, comm=stray), topology)
+        plots.link_bytes(dataclasses.replace(run, comm=Table.of(stray)), topology)
 
 
 def test_cost_and_sweep_charts_are_valid(tmp_path):

@@ -11,11 +11,12 @@ results are the eager step's, bit for bit.
 from __future__ import annotations
 
 import contextlib
-import gc
 import warnings
 from collections.abc import Callable
 
 import torch
+
+from p2pfl.core.collector import collector_paused
 
 _SIDE: dict[int, torch.cuda.Stream] = {}
 """One side stream per GPU for every warm-up and capture, so that a capture finds the
@@ -74,9 +75,7 @@ class Replayed:
         another graph and its memory, which CUDA forbids during a capture (the capture
         then fails)."""
         graph = torch.cuda.CUDAGraph()
-        collecting = gc.isenabled()
-        try:
-            gc.disable()
+        with collector_paused():
             graph.capture_begin()
             try:
                 self.run()
@@ -89,7 +88,4 @@ class Replayed:
                 self.eager = True
                 return None
             graph.capture_end()
-        finally:
-            if collecting:
-                gc.enable()
         return graph

@@ -31,12 +31,11 @@ run's ``eval.targets`` as horizontal lines: a curve crosses a target's line at i
 
 from __future__ import annotations
 
-import csv
 import functools
 import json
 import math
 from collections import defaultdict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -51,6 +50,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator, NullFormatter
 
+from p2pfl.core.collector import collector_paused
 from p2pfl.core.errors import ConfigError
 from p2pfl.core.seeding import derive_seed
 from p2pfl.core.yaml_io import read_yaml
@@ -58,6 +58,7 @@ from p2pfl.network.topology import Topology, build_topology
 from p2pfl.reporting.heatmap import LABEL_MAX, heatmap_figure
 from p2pfl.reporting.progress import SOURCES, Sent, accuracy_series
 from p2pfl.reporting.reporters import ended_well
+from p2pfl.reporting.tables import Table, read_table
 
 FORMATS = ("png", "svg")
 LINES = ("-", "--", ":", "-.")  # line i gets style i, so identical curves stay visible
@@ -73,8 +74,8 @@ class Run:
 
     path: Path
     config: dict[str, Any]
-    metrics: list[dict[str, str]]
-    comm: list[dict[str, str]]
+    metrics: Table
+    comm: Table
     availability: list[tuple[int, float, float]] | None = None
     """``availability.csv`` as (peer, online from, online to) rows; None without the file."""
     partition: tuple[tuple[int, ...], ...] = ()
@@ -92,51 +93,13 @@ CELLS = {"cell": str, "status": str}
 one-line error naming it, before anything is drawn."""
 
 
-def _rows(
-    path: Path,
-    columns: Mapping[str, Callable[[str], Any]],
-    rest: Callable[[str], Any] | None = None,
-) -> list[dict[str, str]]:
-    """A CSV file's rows, each checked to have as many fields as its header and
-    ``columns`` readable as their types (and, with ``rest``, the header's other columns as
-    that); an error names the file and the line."""
-    try:
-        with path.open(newline="", encoding="utf-8") as f:
-            reader = csv.DictReader(f)
-            rows = [(reader.line_num, row) for row in reader]
-            header = reader.fieldnames or []
-    except (UnicodeDecodeError, csv.Error) as e:
-        raise ConfigError("", f"{path}: not a CSV table ({e})") from None
-    missing = [c for c in columns if c not in header]
-    if missing:
-        raise ConfigError("", f"{path}: no column {', '.join(missing)} in its header")
-    if rest is not None:
-        columns = dict.fromkeys(header, rest) | dict(columns)
-    for line, row in rows:
-        extra = row.pop(None, [])  # DictReader's surplus fields
-        given = sum(v is not None for v in row.values()) + len(extra)
-        if given != len(header):
-            raise ConfigError(
-                "", f"{path} line {line}: {given} fields; its header has {len(header)}"
-            )
-        for column, read in columns.items():
-            try:
-                read(row[column])
-            except ValueError:
-                value = row[column]
-                raise ConfigError(
-                    "", f"{path} line {line}: column {column!r} is {value!r}, not a {read.__name__}"
-                ) from None
-    return [row for _, row in rows]
-
-
 def _partition(path: Path) -> tuple[tuple[int, ...], ...]:
     """``partition.csv``'s samples per peer and class, checked."""
-    rows = _rows(path, PARTITION, rest=int)
-    classes = [c for c in rows[0] if c not in (*PARTITION, None)] if rows else []
+    table = read_table(path, PARTITION, rest=int)
+    classes = [c for c in table.header if c not in PARTITION] if len(table) else []
     if not classes:
         raise ConfigError("", f"{path}: no peer or no class column")
-    return tuple(tuple(int(r[c]) for c in classes) for r in rows)
+    return tuple(zip(*(table.ints(c).tolist() for c in classes), strict=True))
 
 
 def read_run(path: Path, summary: dict[str, Any] | None = None) -> Run:
@@ -160,7 +123,8 @@ def read_run(path: Path, summary: dict[str, Any] | None = None) -> Run:
         raise ConfigError("", f"{path / 'config.yaml'}: not a run's config (seed, topology, peers)")
     try:
         run = Run(
-            path, config, _rows(path / "metrics.csv", METRICS), _rows(path / "comm.csv", COMM),
+            path, config, read_table(path / "metrics.csv", METRICS),
+            read_table(path / "comm.csv", COMM),
             partition=_partition(path / "partition.csv"), summary=summary,
         )  # fmt: skip
     except OSError as e:
@@ -168,7 +132,7 @@ def read_run(path: Path, summary: dict[str, Any] | None = None) -> Run:
     if (path / "availability.csv").is_file():
         run.availability = [
             (int(r["peer"]), float(r["online_from"]), float(r["online_to"]))
-            for r in _rows(path / "availability.csv", AVAILABILITY)
+            for r in read_table(path / "availability.csv", AVAILABILITY)
         ]
     return run
 
@@ -190,8 +154,8 @@ def expand(paths: list[Path]) -> list[tuple[str, list[Run]]]:
         if (path / "summary.json").is_file():
             lines.append((path.name, [read_run(path)]))
         elif (path / "cells.csv").is_file():
-            rows = _rows(path / "cells.csv", CELLS)
-            keys = list(rows[0])[: list(rows[0]).index("cell")] if rows else []
+            rows = read_table(path / "cells.csv", CELLS)
+            keys = rows.header[: rows.header.index("cell")]
             groups: dict[str, list[Run]] = {}
             for row in rows:
                 if Path(row["cell"]).name != row["cell"] or row["cell"] in ("", ".", ".."):
@@ -240,9 +204,13 @@ def series(run: Run) -> tuple[np.ndarray, str]:
     ``time_to_accuracy`` reads), in time order, as [time, accuracy, bytes delivered by then,
     round]; and its source (``run``, ``server`` or ``peers``)."""
     points, source = accuracy_series(r for r in run.metrics if r["peer"] != "final")
-    arrived = Sent(  # lost ones never arrived
-        (r for r in run.comm if r.get("fate", "delivered") == "delivered"), at="arrival"
+    comm = run.comm
+    delivered = (  # lost ones never arrived
+        np.array([f == "delivered" for f in comm.column("fate")], dtype=bool)
+        if "fate" in comm.header
+        else np.ones(len(comm), dtype=bool)
     )
+    arrived = Sent(comm.floats("arrival")[delivered], comm.ints("bytes")[delivered])
     out = [[p.time, p.accuracy, arrived.by(p.time), p.round] for p in points]
     return np.array(out, dtype=float).reshape(-1, 4), source
 
@@ -344,20 +312,36 @@ _TOPOLOGIES: dict[str, Topology] = {}
 
 
 def link_bytes(run: Run, topology: Topology) -> dict[frozenset[int], int]:
-    """Bytes per link (both directions) from ``comm.csv``: summed per sender and receiver
-    name first, then per link (10⁶ messages: one cheap step a row, not a node lookup and a
-    set; the same integers)."""
-    pairs: dict[tuple[str, str], int] = defaultdict(int)
-    for r in run.comm:
-        pairs[r["src"], r["dst"]] += int(r["bytes"])
-    node = {topology.name(n): n for n in topology.graph.nodes}
-    out: dict[frozenset[int], int] = defaultdict(int)
-    for (src, dst), sent in pairs.items():
-        if src not in node or dst not in node:
-            row = next(r for r in run.comm if (r["src"], r["dst"]) == (src, dst))
-            raise ConfigError("", f"{run.path / 'comm.csv'}: a message between unknown nodes {row}")
-        out[frozenset((node[src], node[dst]))] += sent
-    return out
+    """Bytes per link (both directions) from ``comm.csv``, summed by numpy over its columns
+    (10⁶ messages in a fraction of a second)."""
+    nodes = list(topology.graph.nodes)
+    src, dst = node_indices(run, topology)
+    links, where = np.unique(
+        np.minimum(src, dst) * len(nodes) + np.maximum(src, dst), return_inverse=True
+    )
+    sums = np.zeros(len(links), dtype=np.int64)
+    np.add.at(sums, where, run.comm.ints("bytes"))
+    return {
+        frozenset((nodes[k // len(nodes)], nodes[k % len(nodes)])): s
+        for k, s in zip(links.tolist(), sums.tolist(), strict=True)
+    }
+
+
+def node_indices(run: Run, topology: Topology) -> tuple[np.ndarray, np.ndarray]:
+    """``comm.csv``'s ``src`` and ``dst`` as each node's index in the topology's node order;
+    a message between unknown nodes is an error naming its first row."""
+    index = {topology.name(n): i for i, n in enumerate(topology.graph.nodes)}
+    src, dst = run.comm.column("src"), run.comm.column("dst")
+    try:
+        return (
+            np.fromiter(map(index.__getitem__, src), np.int64, len(src)),
+            np.fromiter(map(index.__getitem__, dst), np.int64, len(dst)),
+        )
+    except KeyError:
+        row = next(r for r in run.comm if r["src"] not in index or r["dst"] not in index)
+        raise ConfigError(
+            "", f"{run.path / 'comm.csv'}: a message between unknown nodes {row}"
+        ) from None
 
 
 def layout(topology: Topology) -> dict[int, np.ndarray]:
@@ -525,6 +509,7 @@ def figures(paths: list[Path]) -> dict[str, Callable[[], Figure]]:
     return drawn | partition_figures(lines)
 
 
+@collector_paused()  # 10⁶ rows, a 10⁵-node graph: collections took 6 of 16 s
 def plot_runs(paths: list[Path], out: Path) -> list[Path]:
     """Every figure of the runs (and sweeps) in ``paths``, written to ``out``."""
     drawn = {stem: draw() for stem, draw in figures(paths).items()}
@@ -535,17 +520,9 @@ def plot_runs(paths: list[Path], out: Path) -> list[Path]:
 def sent(run: Run) -> Sent:
     """Bytes sent by each time, from ``comm.csv``'s ``time`` and ``bytes`` columns (checked:
     a bad ``time`` is a one-line error naming the file and line)."""
-    path = run.path / "comm.csv"
-    for line, r in enumerate(run.comm, 2):
-        if "time" not in r:
-            raise ConfigError("", f"{path}: no column time in its header")
-        try:
-            float(r["time"])
-        except ValueError:
-            raise ConfigError(
-                "", f"{path} line {line}: column 'time' is {r['time']!r}, not a float"
-            ) from None
-    return Sent(run.comm)
+    if "time" not in run.comm.header:
+        raise ConfigError("", f"{run.path / 'comm.csv'}: no column time in its header")
+    return Sent(run.comm.floats("time"), run.comm.ints("bytes"))
 
 
 def targets_of(run: Run) -> set[float]:
@@ -610,6 +587,7 @@ def progress_figure(lines: list[tuple[str, list[Run]]], x: str) -> Figure:
     return fig
 
 
+@collector_paused()  # as plot_runs
 def plot_progress(paths: list[Path], out: Path, axes: list[str]) -> list[Path]:
     """``accuracy-X`` for each X of ``axes`` (``time``, ``bytes``) of the runs (and sweeps)
     in ``paths``, written to ``out``."""

@@ -22,17 +22,17 @@ column: lost messages count, the sender spent them) adds up to; ``null`` if no p
 
 from __future__ import annotations
 
-import csv
 import math
-from bisect import bisect_right
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from itertools import accumulate
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from p2pfl.core.errors import ConfigError
+from p2pfl.reporting.tables import Table, read_table
 
 SOURCES = {"run": "the run's model", "server": "server", "peers": "mean over peers"}
 """Where a series comes from (:func:`accuracy_series`), and how a figure's legend says it."""
@@ -92,17 +92,18 @@ def accuracy_series(rows: Iterable[Mapping[str, str]]) -> tuple[list[Point], str
 
 
 class Sent:
-    """Bytes sent by a time, from ``comm.csv``'s rows (``time`` and ``bytes`` columns), or
-    with ``at="arrival"`` the bytes that had arrived by then (given the delivered rows)."""
+    """Bytes of the messages sent by a time: ``times`` and ``sizes`` are ``comm.csv``'s
+    ``time`` and ``bytes`` columns (or, given its delivered rows' ``arrival`` column, the
+    bytes that had arrived by then)."""
 
-    def __init__(self, rows: Iterable[Mapping[str, Any]], at: str = "time") -> None:
-        sends = sorted((float(r[at]), int(r["bytes"])) for r in rows)
-        self.times = [t for t, _ in sends]
-        self.totals = [0, *accumulate(b for _, b in sends)]
+    def __init__(self, times: np.ndarray, sizes: np.ndarray) -> None:
+        order = np.argsort(times, kind="stable")
+        self.times = np.asarray(times, dtype=np.float64)[order]
+        self.totals = np.concatenate([[0], np.cumsum(np.asarray(sizes, dtype=np.int64)[order])])
 
     def by(self, time: float) -> int:
         """Bytes of every message sent (or arrived) at or before ``time``."""
-        return self.totals[bisect_right(self.times, time)]
+        return int(self.totals[np.searchsorted(self.times, time, side="right")])
 
 
 def reached(
@@ -121,15 +122,10 @@ def reached(
     return out
 
 
-def read_rows(path: Path) -> list[dict[str, str]]:
-    """A CSV file's rows by column name."""
-    with path.open(newline="", encoding="utf-8") as f:
-        return list(csv.DictReader(f))
-
-
 def time_to_accuracy(out: Path, targets: Iterable[float]) -> dict[str, dict[str, Any] | None]:
     """``summary.json``'s ``time_to_accuracy`` of the run in ``out``, from its
     ``metrics.csv`` and ``comm.csv``."""
-    series, _ = accuracy_series(read_rows(out / "metrics.csv"))
+    series, _ = accuracy_series(read_table(out / "metrics.csv"))
     comm = out / "comm.csv"
-    return reached(series, Sent(read_rows(comm) if comm.is_file() else []), targets)
+    table = read_table(comm) if comm.is_file() else Table({"time": [], "bytes": []})
+    return reached(series, Sent(table.floats("time"), table.ints("bytes")), targets)

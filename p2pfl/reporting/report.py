@@ -52,6 +52,7 @@ import numpy as np
 from matplotlib import rc_context
 from matplotlib.figure import Figure
 
+from p2pfl.core.collector import collector_paused
 from p2pfl.core.errors import ConfigError
 from p2pfl.reporting.heatmap import LABEL_MAX, heatmap_figure
 from p2pfl.reporting.plots import (
@@ -60,6 +61,7 @@ from p2pfl.reporting.plots import (
     availability_figure,
     bar_panels,
     expand,
+    node_indices,
     partition_figures,
     progress_figure,
     run_end,
@@ -126,6 +128,7 @@ def default_path(paths: list[Path], out: Path | None) -> Path:
     return out
 
 
+@collector_paused()  # as plots.plot_runs
 def write_report(paths: list[Path], out: Path, command: str = "") -> Path:
     """Read ``paths`` (runs and sweeps), draw the page and write it to ``out`` (its
     directory made if missing); nothing is written if any input is bad."""
@@ -476,13 +479,12 @@ def direction_figure(run: Run) -> tuple[Figure, str]:
     topology = topology_of(run)
     nodes = sorted(topology.graph.nodes, key=lambda n: (n == topology.server, n))
     block = -(-len(nodes) // DIRECTION_MAX)  # nodes per row: 1 up to DIRECTION_MAX nodes
-    index = {topology.name(n): i // block for i, n in enumerate(nodes)}
+    position = {n: i for i, n in enumerate(nodes)}
+    row = np.array([position[n] // block for n in topology.graph.nodes], dtype=np.int64)
     size = -(-len(nodes) // block)
     matrix = np.zeros((size, size))
-    for r in run.comm:
-        if r["src"] not in index or r["dst"] not in index:
-            raise ConfigError("", f"{run.path / 'comm.csv'}: a message between unknown nodes {r}")
-        matrix[index[r["src"]], index[r["dst"]]] += int(r["bytes"]) / 1e6
+    src, dst = (row[i] for i in node_indices(run, topology))
+    np.add.at(matrix, (src, dst), run.comm.ints("bytes") / 1e6)  # in the file's order
     if block > 1:
         fig = heatmap_figure(
             matrix, f"MB sent, by direction, in blocks of {block:,} nodes",
