@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import io
 import json
 import subprocess
 import sys
@@ -163,6 +164,28 @@ def test_a_run_that_sent_nothing_is_drawn_without_a_log_axis(runs, tmp_path):
     assert fig.axes[1].get_xscale() == "linear"
     assert list(fig.axes[1].get_lines()[0].get_xdata()) == [0.0, 0.0]  # drawn at 0
     assert plots.accuracy_figure(plots.expand([runs["fedavg"]])).axes[1].get_xscale() == "log"
+
+
+@pytest.mark.parametrize("lines", [2, 36])
+def test_a_long_legend_grows_the_figure_and_leaves_the_panels_their_height(runs, lines):
+    """Eight sweeps in one figure gave 36 lines in one column of legend: the panels were
+    squeezed to nothing (matplotlib warned that the layout collapsed). The figure now grows
+    for what the legend needs beyond its own height; a short legend leaves it as it was."""
+    run = plots.read_run(runs["dfedavgm"])
+    named = [
+        (f"sweep {i}: a combination with a long name, {'x' * 40}", [run]) for i in range(lines)
+    ]
+    for draw, size in (
+        (plots.accuracy_figure, (15, 4.8)),
+        (lambda ls: plots.progress_figure(ls, "time"), (9, 5.6)),
+    ):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # the layout's collapse is a warning
+            fig = draw(named)
+            fig.savefig(io.BytesIO(), format="png")
+        width, height = fig.get_size_inches()
+        panel = fig.axes[0].get_position().height * height
+        assert width == size[0] and (height == size[1]) == (lines == 2) and panel > 2.0
 
 
 def test_a_point_before_any_byte_is_left_out_of_the_log_axis():

@@ -284,9 +284,7 @@ def accuracy_figure(lines: list[tuple[str, list[Run]]]) -> Figure:
         ax.grid(alpha=0.3)
     handles, labels = axes[0].get_legend_handles_labels()
     fit = max(1, 180 // max(len(label) for label in labels))  # long labels: fewer columns
-    fig.legend(
-        handles, labels, loc="outside lower center", ncols=min(3, len(labels), fit), fontsize=8
-    )
+    legend_below(fig, handles, labels, min(3, len(labels), fit), fontsize=8)
     fig.suptitle("Test accuracy against rounds, bytes delivered and simulated time")
     return fig
 
@@ -491,7 +489,8 @@ def availability_figure(lines: list[tuple[str, list[Run]]]) -> Figure:
     for ax in (top, bottom):
         ax.grid(alpha=0.3)
     handles, labels = top.get_legend_handles_labels()
-    fig.legend(handles, labels, loc="outside lower center", ncols=min(2, len(labels)), fontsize=8)
+    fit = max(1, 150 // max(len(label) for label in labels))  # as progress_figure's
+    legend_below(fig, handles, labels, min(2, len(labels), fit), fontsize=8)
     fig.suptitle("Test accuracy and peers online against simulated time")
     return fig
 
@@ -581,9 +580,7 @@ def progress_figure(lines: list[tuple[str, list[Run]]], x: str) -> Figure:
     handles, labels = ax.get_legend_handles_labels()
     if labels:
         fit = max(1, 150 // max(len(label) for label in labels))
-        fig.legend(
-            handles, labels, loc="outside lower center", ncols=min(2, len(labels), fit), fontsize=8
-        )
+        legend_below(fig, handles, labels, min(2, len(labels), fit), fontsize=8)
     return fig
 
 
@@ -622,14 +619,31 @@ def bar_panels(
         ax.set_title(title, fontsize=10)
         ax.grid(axis="y", alpha=0.3)
     if numbered:
-        columns = 1 if len(names) <= 8 else 2
-        width, height = fig.get_size_inches()
-        fig.set_size_inches(width, height + 0.18 * -(-len(names) // columns))
-        fig.legend(
-            [Patch(facecolor=color) for color in colors],
+        legend_below(
+            fig, [Patch(facecolor=color) for color in colors],
             [f"{i + 1}: {name}" for i, name in enumerate(names)],
-            loc="outside lower center", ncols=columns, fontsize=7,
+            1 if len(names) <= 8 else 2, fontsize=7, keep=fig.get_size_inches()[1],
         )  # fmt: skip
+
+
+LEGEND_ROW = 0.18
+"""Inches a row of a legend takes at font size 7 or 8."""
+
+
+def legend_below(
+    fig: Figure, handles: list[Any], labels: list[str], ncols: int, fontsize: int,
+    keep: float = 3.6,
+) -> None:  # fmt: skip
+    """The figure's legend under its panels, in ``ncols`` columns. The figure grows by a
+    row's height for each row beyond those that leave ``keep`` inches to the panels, their
+    titles and labels: the 36 lines of eight sweeps in one figure had squeezed its panels
+    to nothing."""
+    rows = -(-len(labels) // ncols)
+    width, height = fig.get_size_inches()
+    fits = max(0, int((height - keep) / LEGEND_ROW))
+    if rows > fits:
+        fig.set_size_inches(width, height + LEGEND_ROW * (rows - fits))
+    fig.legend(handles, labels, loc="outside lower center", ncols=ncols, fontsize=fontsize)
 
 
 def sweep_chart(keys: list[str], rows: list[dict[str, Any]], out: Path) -> list[Path]:
