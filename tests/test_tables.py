@@ -52,6 +52,8 @@ def test_a_column_read_as_numbers_is_each_field_read_by_python(run):
     rows = dict_rows(run / "comm.csv")
     assert table.ints("bytes").tolist() == [int(r["bytes"]) for r in rows]
     assert table.floats("arrival").tolist() == [float(r["arrival"]) for r in rows]
+    kept = table.ints("bytes")  # read once, shared by every figure: nobody may write it
+    assert table.ints("bytes") is kept and not kept.flags.writeable
     assert {r["fate"] for r in rows} == {"delivered", "lost"}  # the case: some were lost
 
 
@@ -92,6 +94,8 @@ def test_a_bad_number_met_later_names_its_line(tmp_path):
     table = read_table(path, {"bytes": int})
     with pytest.raises(ConfigError, match=r"comm.csv line 4: column 'time' is 'soon', not a float"):
         table.floats("time")
+    with pytest.raises(ConfigError, match=r"comm.csv line 2: column 'time' is '0.5', not a int"):
+        table.ints("time")
 
 
 def test_sent_is_the_bytes_of_every_message_up_to_a_time():

@@ -21,6 +21,8 @@ from p2pfl.core.errors import ConfigError
 
 Read = Callable[[str], Any]
 """How a column's text is read (``int``, ``float``, ``str``): a ``ValueError`` rejects it."""
+NUMBERS = {int: np.int64, float: np.float64}
+"""The array type of a column read as numbers."""
 
 
 class Table(Sequence[dict[str, str]]):
@@ -33,6 +35,7 @@ class Table(Sequence[dict[str, str]]):
         self.path = path
         """The file it was read from, for errors; None for a table made in memory."""
         self._length = len(next(iter(columns.values()), []))
+        self._numbers: dict[tuple[str, type], np.ndarray] = {}
 
     @classmethod
     def of(cls, rows: Iterable[Mapping[str, Any]]) -> Table:
@@ -63,22 +66,30 @@ class Table(Sequence[dict[str, str]]):
         return self.columns[name]
 
     def ints(self, name: str) -> np.ndarray:
-        """A column read as Python's ``int`` reads each field (checked by :func:`read_table`
-        for the columns it was given), as int64."""
-        return np.fromiter(map(int, self.columns[name]), np.int64, len(self))
+        """A column read as Python's ``int`` reads each field, as int64 (:meth:`numbers`)."""
+        return self.numbers(name, int)
 
     def floats(self, name: str) -> np.ndarray:
-        """A column read as Python's ``float`` reads each field, as float64; a field that is
-        not a number is a one-line error naming the file, the line and the column."""
-        values = self.columns[name]
-        try:
-            return np.fromiter(map(float, values), np.float64, len(self))
-        except ValueError:
-            i = next(i for i, v in enumerate(values) if not _reads(float, v))
-            raise ConfigError(
-                "", f"{self.path or 'a table'} line {_line(self.path, i)}: column {name!r} is "
-                f"{values[i]!r}, not a float",
-            ) from None  # fmt: skip
+        """A column read as Python's ``float`` reads each field, as float64 (:meth:`numbers`)."""
+        return self.numbers(name, float)
+
+    def numbers(self, name: str, read: type[int] | type[float]) -> np.ndarray:
+        """A column read as ``read`` reads each field, converted once and kept (read-only:
+        every figure sums the same ``bytes`` column); a field it rejects is a one-line
+        error naming the file, the line and the column."""
+        if (name, read) not in self._numbers:
+            values = self.columns[name]
+            try:
+                array = np.fromiter(map(read, values), NUMBERS[read], len(values))
+            except ValueError:
+                i = _first_rejected(values, read)
+                raise ConfigError(
+                    "", f"{self.path or 'a table'} line {_line(self.path, i)}: column {name!r} "
+                    f"is {values[i]!r}, not a {read.__name__}",
+                ) from None  # fmt: skip
+            array.flags.writeable = False
+            self._numbers[name, read] = array
+        return self._numbers[name, read]
 
 
 @collector_paused()  # its rows are a million lists, freed before it returns
@@ -131,15 +142,18 @@ def _first_unread(values: list[str], read: Read) -> int | None:
         deque(map(read, values), maxlen=0)  # in C: the usual case, every field read
         return None
     except ValueError:
-        return next(i for i, v in enumerate(values) if not _reads(read, v))
+        return _first_rejected(values, read)
 
 
-def _reads(read: Read, value: str) -> bool:
-    try:
-        read(value)
-    except ValueError:
-        return False
-    return True
+def _first_rejected(values: list[str], read: Read) -> int:
+    """The index of the first field that ``read`` rejects, one field at a time (where a
+    whole column's read has failed)."""
+    for i, value in enumerate(values):
+        try:
+            read(value)
+        except ValueError:
+            return i
+    raise ValueError(f"{read.__name__} reads every field")
 
 
 def _line(path: Path | None, index: int) -> int | str:
